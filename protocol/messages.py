@@ -1,0 +1,356 @@
+"""The messages of the lmq protocol, version 1, with strict validation.
+
+Requests travel in `lmq:req:<model>` (field `msg`), events on the request's reply address,
+cancellations on `lmq:cancel`, heartbeats in `lmq:worker:<id>`. docs/protocol.md documents
+every field; this module is the executable form of that page.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .codec import decode_map, encode
+from .errors import ProtocolError
+
+VERSION = 1
+
+MAX_ID_LENGTH = 128
+MAX_MESSAGES = 1024
+MAX_TEXT_CHARS = 512 * 1024
+MAX_PROMPT_IDS = 128 * 1024
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_TOKENS_LIMIT = 1 << 20
+ROLES = ("system", "user", "assistant", "tool", "developer")
+REPLY_KINDS = ("pubsub", "stream")
+
+_SAFE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Defaults follow llama.cpp's server: a small model sampled from its full distribution at
+    temperature 1 rambles, and these keep an answer on topic while leaving it varied."""
+
+    max_tokens: int = 256
+    temperature: float = 0.8  # 0 = greedy
+    top_p: float = 0.95
+    top_k: int = 40  # 0 = off
+    min_p: float = 0.05
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Where a request's events go: a pub/sub channel, or a Redis stream (durable, replayable)."""
+
+    kind: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    model: str
+    reply: Reply
+    sampling: SamplingParams
+    deadline: float  # unix seconds; the worker drops the request with `timeout` after it
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    truncate: bool = False  # keep the most recent tokens instead of failing a too-long prompt
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["v"] = VERSION
+        data["sampling"]["logit_bias"] = {str(k): v for k, v in self.sampling.logit_bias.items()}
+        return {k: v for k, v in data.items() if v is not None}
+
+    def encode(self) -> bytes:
+        return encode(self.to_dict())
+
+
+# ---------------------------------------------------------------- validation helpers
+
+
+def _fail(field_name: str, problem: str) -> ProtocolError:
+    return ProtocolError("bad_request", f"{field_name}: {problem}")
+
+
+def _int(data: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = data.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, "must be an integer")
+    if not lo <= value <= hi:
+        raise _fail(name, f"must be between {lo} and {hi}")
+    return value
+
+
+def _float(data: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = data.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(name, "must be a finite number")
+    if not lo <= value <= hi:
+        raise _fail(name, f"must be between {lo} and {hi}")
+    return float(value)
+
+
+def _bool(data: dict, name: str, default: bool) -> bool:
+    value = data.get(name, default)
+    if not isinstance(value, bool):
+        raise _fail(name, "must be true or false")
+    return value
+
+
+def _str(value: Any, name: str, max_chars: int) -> str:
+    if not isinstance(value, str):
+        raise _fail(name, "must be a string")
+    if len(value) > max_chars:
+        raise ProtocolError("too_large", f"{name}: longer than {max_chars} characters")
+    return value
+
+
+def _safe_name(value: Any, name: str) -> str:
+    value = _str(value, name, MAX_ID_LENGTH)
+    if not _SAFE.match(value):
+        raise _fail(name, "must be 1-128 characters of letters, digits, '_', '.', ':', '-'")
+    return value
+
+
+def _list(value: Any, name: str, max_items: int) -> list:
+    if not isinstance(value, list):
+        raise _fail(name, "must be a list")
+    if len(value) > max_items:
+        raise ProtocolError("too_large", f"{name}: more than {max_items} items")
+    return value
+
+
+def _token_ids(value: Any, name: str, max_items: int) -> list[int]:
+    ids = _list(value, name, max_items)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in ids):
+        raise _fail(name, "must be a list of non-negative token ids")
+    return ids
+
+
+_DEFAULT = SamplingParams()
+
+
+def parse_sampling(data: Any) -> SamplingParams:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise _fail("sampling", "must be a map")
+    bias = data.get("logit_bias", {})
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise _fail("sampling.logit_bias", f"must be a map of at most {MAX_LOGIT_BIAS} token ids to numbers")
+    logit_bias: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise _fail("sampling.logit_bias", f"key {key!r} is not a token id") from None
+        if not 0 <= token < 1 << 31 or isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise _fail("sampling.logit_bias", "values must be numbers between -100 and 100 on token ids >= 0")
+        logit_bias[token] = float(value)
+    stop = _list(data.get("stop", []), "sampling.stop", MAX_STOP_STRINGS)
+    for s in stop:
+        _str(s, "sampling.stop", MAX_STOP_CHARS)
+    if any(s == "" for s in stop):
+        raise _fail("sampling.stop", "stop strings must not be empty")
+    return SamplingParams(
+        max_tokens=_int(data, "max_tokens", _DEFAULT.max_tokens, 1, MAX_TOKENS_LIMIT),
+        temperature=_float(data, "temperature", _DEFAULT.temperature, 0.0, 100.0),
+        top_p=_float(data, "top_p", _DEFAULT.top_p, 0.0, 1.0),
+        top_k=_int(data, "top_k", _DEFAULT.top_k, 0, 1 << 20),
+        min_p=_float(data, "min_p", _DEFAULT.min_p, 0.0, 1.0),
+        seed=_int(data, "seed", None, -(1 << 63), (1 << 64) - 1),
+        presence_penalty=_float(data, "presence_penalty", _DEFAULT.presence_penalty, -2.0, 2.0),
+        frequency_penalty=_float(data, "frequency_penalty", _DEFAULT.frequency_penalty, -2.0, 2.0),
+        repetition_penalty=_float(data, "repetition_penalty", _DEFAULT.repetition_penalty, 0.01, 10.0),
+        logit_bias=logit_bias,
+        stop=list(stop),
+        stop_token_ids=_token_ids(data.get("stop_token_ids", []), "sampling.stop_token_ids", 64),
+        ignore_eos=_bool(data, "ignore_eos", _DEFAULT.ignore_eos),
+    )
+
+
+def parse_reply(data: Any) -> Reply:
+    if not isinstance(data, dict):
+        raise _fail("reply", "must be a map with `kind` and `key`")
+    kind = data.get("kind")
+    if kind not in REPLY_KINDS:
+        raise _fail("reply.kind", f"must be one of {', '.join(REPLY_KINDS)}")
+    key = _str(data.get("key"), "reply.key", 256)
+    if not key:
+        raise _fail("reply.key", "must not be empty")
+    return Reply(kind=kind, key=key)
+
+
+def _parse_messages(value: Any) -> list[dict[str, str]]:
+    messages = _list(value, "messages", MAX_MESSAGES)
+    if not messages:
+        raise _fail("messages", "must not be empty")
+    total = 0
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _fail(f"messages[{i}]", "must be a map with `role` and `content`")
+        role = message.get("role")
+        if role not in ROLES:
+            raise _fail(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
+        content = _str(message.get("content"), f"messages[{i}].content", MAX_TEXT_CHARS)
+        total += len(content)
+        parsed.append({"role": role, "content": content})
+    if total > MAX_TEXT_CHARS:
+        raise ProtocolError("too_large", f"messages: more than {MAX_TEXT_CHARS} characters in all")
+    return parsed
+
+
+def parse_request(data: dict[str, Any]) -> Request:
+    """Validate a decoded request map. Errors carry the id and reply address when they could be read."""
+    request_id = data.get("id")
+    reply = None
+    try:
+        reply = parse_reply(data.get("reply"))
+        request_id = _safe_name(request_id, "id")
+    except ProtocolError as exc:
+        exc.reply = reply
+        exc.request_id = request_id if isinstance(request_id, str) else None
+        raise
+    try:
+        return _parse_request_body(data, request_id, reply)
+    except ProtocolError as exc:
+        exc.request_id, exc.reply = request_id, reply
+        raise
+
+
+def _parse_request_body(data: dict[str, Any], request_id: str, reply: Reply) -> Request:
+    version = data.get("v")
+    if version != VERSION:
+        raise ProtocolError("unsupported_version", f"protocol version {version!r} is not supported (this worker speaks {VERSION})")
+    inputs = [name for name in ("messages", "prompt", "prompt_ids") if data.get(name) is not None]
+    if len(inputs) != 1:
+        raise _fail("input", "give exactly one of `messages`, `prompt`, `prompt_ids`")
+    deadline = data.get("deadline", time.time() + 600)
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+        raise _fail("deadline", "must be unix seconds")
+    return Request(
+        id=request_id,
+        model=_safe_name(data.get("model"), "model"),
+        reply=reply,
+        sampling=parse_sampling(data.get("sampling")),
+        deadline=float(deadline),
+        messages=_parse_messages(data["messages"]) if "messages" in inputs else None,
+        prompt=_str(data["prompt"], "prompt", MAX_TEXT_CHARS) if "prompt" in inputs else None,
+        prompt_ids=_token_ids(data["prompt_ids"], "prompt_ids", MAX_PROMPT_IDS) if "prompt_ids" in inputs else None,
+        truncate=_bool(data, "truncate", False),
+    )
+
+
+def decode_request(raw: bytes) -> Request:
+    return parse_request(decode_map(raw))
+
+
+# ---------------------------------------------------------------- events (worker → reply address)
+
+
+def delta_event(request_id: str, seq: int, text: str, token_ids: list[int], offset: int) -> dict[str, Any]:
+    """New text. `offset` is the number of completion tokens streamed before this delta."""
+    return {"v": VERSION, "type": "delta", "id": request_id, "seq": seq, "text": text, "token_ids": token_ids, "offset": offset}
+
+
+def done_event(
+    request_id: str,
+    seq: int,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    stop_sequence: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "v": VERSION,
+        "type": "done",
+        "id": request_id,
+        "seq": seq,
+        "finish_reason": finish_reason,
+        "stop_sequence": stop_sequence,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "cached_tokens": cached_tokens},
+    }
+
+
+def error_event(request_id: str | None, seq: int, code: str, message: str) -> dict[str, Any]:
+    return {"v": VERSION, "type": "error", "id": request_id, "seq": seq, "code": code, "message": message}
+
+
+def decode_event(raw: bytes) -> dict[str, Any]:
+    event = decode_map(raw)
+    if event.get("type") not in ("delta", "done", "error") or not isinstance(event.get("seq"), int):
+        raise ProtocolError("bad_request", "not an lmq event")
+    return event
+
+
+# ---------------------------------------------------------------- cancellations and heartbeats
+
+
+def cancel_message(request_id: str) -> bytes:
+    return encode({"v": VERSION, "id": request_id})
+
+
+def decode_cancel(raw: bytes) -> str:
+    data = decode_map(raw)
+    return _safe_name(data.get("id"), "id")
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    worker_id: str
+    model: str
+    capacity: int  # most sequences it runs at once
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    time: float
+
+    def encode(self) -> bytes:
+        return encode({"v": VERSION, **asdict(self)})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Heartbeat":
+        data = decode_map(raw)
+        data.pop("v", None)
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ProtocolError("bad_request", f"not a heartbeat: {exc}") from None
+
+
+# ---------------------------------------------------------------- one pub/sub message per reply channel per step
+
+
+def encode_event_batch(events: list[dict[str, Any]]) -> bytes:
+    """A pub/sub message: all events of one worker step for one reply channel."""
+    return encode({"v": VERSION, "events": events})
+
+
+def decode_event_batch(raw: bytes) -> list[dict[str, Any]]:
+    data = decode_map(raw)
+    events = data.get("events")
+    if data.get("v") != VERSION or not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ProtocolError("bad_request", "not an lmq event batch")
+    return events

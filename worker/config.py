@@ -1,0 +1,31 @@
+"""Worker settings. Each field is also a CLI flag (`--kv-memory`) and an env var (`LMQ_KV_MEMORY`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class WorkerConfig:
+    redis_url: str = field(default="redis://localhost:6379/0", metadata={"help": "Redis to read requests from (env REDIS_URL)", "env": "REDIS_URL"})
+    model: str = field(default="", metadata={"help": "GGUF file or Hugging Face model directory; empty = the default SmolLM2-135M-Instruct"})
+    model_name: str = field(default="", metadata={"help": "name clients use in `model`; empty = derived from the model file"})
+    dtype: str = field(default="auto", metadata={"help": "compute dtype: auto, float32, bfloat16, float16"})
+    quant: str = field(default="auto", metadata={"help": "weight mode: auto, none, int8, int4"})
+    device: str = field(default="auto", metadata={"help": "torch device: auto (cuda when present), cpu, cuda, cuda:N"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch's default"})
+    kv_memory: str = field(default="auto", metadata={"help": "KV cache budget, e.g. 512MiB or 4GiB; auto = a default per device"})
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    max_seqs: int = field(default=64, metadata={"help": "most sequences running at once"})
+    step_tokens: int = field(default=512, metadata={"help": "token budget of one engine step (decodes + prefill chunks)"})
+    worker_id: str = field(default_factory=_default_worker_id, metadata={"help": "unique consumer name in the group"})
+    claim_idle_ms: int = field(default=15000, metadata={"help": "idle time after which a dead worker's requests are claimed"})
+    max_attempts: int = field(default=3, metadata={"help": "runs of one request before it goes to the dead-letter stream"})
+    grace_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, time to finish running requests"})
+    metrics_port: int = field(default=0, metadata={"help": "port for Prometheus /metrics; 0 = off"})
