@@ -1,0 +1,40 @@
+"""Quantized linear layers compute x @ dequantized(W).T, and their quantization error is bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.model.quant_linear import Int4Linear, Int8Linear, quantize_int4
+
+
+@pytest.fixture
+def weight() -> torch.Tensor:
+    return torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+
+
+def test_int4_quantization_error_is_at_most_half_a_step(weight: torch.Tensor) -> None:
+    blocks = quantize_int4(weight)
+    step = blocks.scale.repeat_interleave(32, dim=1)
+    assert ((blocks.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_int4_linear_multiplies_by_its_dequantized_weight(weight: torch.Tensor, dtype: torch.dtype, tolerance: float) -> None:
+    blocks = quantize_int4(weight)
+    bias = torch.randn(48)
+    x = torch.randn(2, 5, 96)
+    out = Int4Linear(blocks, bias, dtype)(x.to(dtype))
+    assert out.shape == (2, 5, 48) and out.dtype == dtype
+    expected = F.linear(x, blocks.dequantize(), bias)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance * expected.abs().max(), rtol=0)
+
+
+def test_int8_linear_stays_within_quantization_error(weight: torch.Tensor) -> None:
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
+    out = Int8Linear(weight, None, torch.float32)(x)
+    expected = F.linear(x, weight)
+    # Symmetric per-row int8 rounds each weight by at most half a step, max|w_row| / 254.
+    bound = x.abs().sum(-1, keepdim=True) * weight.abs().amax(-1) / 254
+    assert ((out - expected).abs() <= bound + 1e-5).all()
