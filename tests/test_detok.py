@@ -1,0 +1,85 @@
+"""Incremental detokenization (whole characters only, deltas add up) and stop strings."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from tiny_model import VOCAB, make_tiny_model
+from worker.detok import IncrementalDetokenizer, StopStrings
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    directory = make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
+    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+
+def stream(tokenizer: Tokenizer, prompt: list[int], generated: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    return [detok.add(token) for token in generated] + [detok.flush()]
+
+
+def test_multibyte_characters_come_out_whole(tokenizer: Tokenizer) -> None:
+    text = "Unicode: Ünïcödé ✓ 日本語 🙂 and more"
+    ids = [tokenizer.token_to_id(piece) for piece in _byte_pieces(tokenizer, text)]
+    deltas = stream(tokenizer, [], ids)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert any(delta == "" for delta in deltas)  # held while a character was incomplete
+
+
+def _byte_pieces(tokenizer: Tokenizer, text: str) -> list[str]:
+    """One single-byte token per byte of text (the byte-level alphabet), to split every character."""
+    pieces = tokenizer.encode(text).tokens
+    return [char for piece in pieces for char in piece]
+
+
+def test_leading_space_after_the_prompt_is_kept(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("The quick brown").ids
+    generated = tokenizer.encode(" fox jumps").ids
+    assert "".join(stream(tokenizer, prompt, generated)) == " fox jumps"
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), max_size=6), generated=st.lists(st.integers(0, VOCAB - 1), max_size=30))
+def test_deltas_concatenate_to_the_full_decode(tokenizer: Tokenizer, prompt: list[int], generated: list[int]) -> None:
+    deltas = stream(tokenizer, prompt, generated)
+    assert "".join(deltas) == tokenizer.decode(generated, skip_special_tokens=True)
+    assert all(not delta.endswith("\ufffd") for delta in deltas[:-1])
+
+
+def feed(stops: StopStrings, pieces: list[str]) -> tuple[str, str | None]:
+    emitted = ""
+    for piece in pieces:
+        text, stop = stops.push(piece)
+        emitted += text
+        if stop is not None:
+            return emitted, stop
+    return emitted + stops.flush(), None
+
+
+def test_stop_string_split_across_pieces_is_trimmed() -> None:
+    assert feed(StopStrings(["STOP"]), ["Hello S", "T", "OP and more"]) == ("Hello ", "STOP")
+
+
+def test_partial_match_is_held_back_then_released() -> None:
+    stops = StopStrings(["</end>"])
+    assert stops.push("a </e") == ("a ", None)
+    assert stops.push("xtra") == ("</extra", None)
+
+
+def test_the_earliest_stop_string_wins() -> None:
+    assert feed(StopStrings(["world", "lo"]), ["hello world"]) == ("hel", "lo")
+
+
+def test_unfinished_partial_match_is_flushed_at_the_end() -> None:
+    assert feed(StopStrings(["###"]), ["answer #", "#"]) == ("answer ##", None)
+
+
+def test_without_stop_strings_text_passes_straight_through() -> None:
+    assert StopStrings([]).push("anything") == ("anything", None)

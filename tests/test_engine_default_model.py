@@ -1,0 +1,65 @@
+"""The engine on the real default model (SmolLM2-135M-Instruct, float32) against reference greedy ids."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from engine_runs import generate, greedy
+from protocol import SamplingParams
+from worker.engine import GenRequest
+from worker.model.loader import LoadedModel, load_model
+from worker.prompt import build_prompt_ids
+
+REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2-greedy.json"
+NEAR_TIE = 0.05  # the reference's own rule: tokens must agree up to the first step with a smaller top-2 margin
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not REFERENCE.exists(), reason="reference greedy ids not found"),
+]
+
+
+@pytest.fixture(scope="module")
+def model() -> LoadedModel:
+    return load_model(None, dtype="float32", quant="none", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def chats() -> list[dict]:
+    return json.loads(REFERENCE.read_text())["chat"]
+
+
+def reference_greedy(model: LoadedModel, max_tokens: int) -> SamplingParams:
+    """Greedy with the end-of-turn tokens masked, as the reference generated (min_new_tokens)."""
+    return greedy(max_tokens=max_tokens, logit_bias={token: -100.0 for token in model.stop_token_ids})
+
+
+def comparable_steps(chat: dict) -> int:
+    margins = chat["top2_margins"]
+    return next((step for step, margin in enumerate(margins) if margin < NEAR_TIE), len(margins))
+
+
+async def test_batched_greedy_output_matches_the_reference(model: LoadedModel, chats: list[dict]) -> None:
+    requests = []
+    for index, chat in enumerate(chats):
+        ids = build_prompt_ids(model, messages=chat["messages"], max_tokens=32, truncate=False)
+        assert ids == chat["prompt_ids"]
+        requests.append(GenRequest(f"chat{index}", ids, reference_greedy(model, len(chat["greedy_ids"]))))
+    results = await generate(model, requests, joins={"chat3": 4}, step_tokens=48)
+    for index, chat in enumerate(chats):
+        steps = comparable_steps(chat)
+        assert steps > 0
+        assert results[f"chat{index}"].token_ids[:steps] == chat["greedy_ids"][:steps]
+
+
+async def test_prefix_cache_hit_matches_the_reference(model: LoadedModel, chats: list[dict]) -> None:
+    chat = chats[0]
+    requests = [GenRequest(name, chat["prompt_ids"], reference_greedy(model, 16)) for name in ("cold", "warm")]
+    results = await generate(model, requests, joins={"warm": "cold"})
+    steps = min(comparable_steps(chat), 16)
+    assert results["warm"].cached_tokens == (len(chat["prompt_ids"]) - 1) // 16 * 16 > 0
+    assert results["warm"].token_ids[:steps] == results["cold"].token_ids[:steps] == chat["greedy_ids"][:steps]
+    assert results["cold"].text.startswith(chat["greedy_text"][:20])

@@ -1,0 +1,385 @@
+"""The engine: an asyncio loop of continuous batching over the paged KV cache.
+
+One task (`run`) owns all state. Requests and cancellations arrive through `add` and `cancel`
+and take effect between steps. Each step: schedule → model forward and sampling in the one
+executor thread (so the event loop keeps doing Redis I/O) → detokenize, check stops → report
+every sequence's output through `on_step`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol import SamplingParams
+from worker.batch import StepBatch
+from worker.detok import IncrementalDetokenizer, StopStrings
+from worker.kv_cache import KVCache, default_kv_budget, page_bytes
+from worker.model.loader import LoadedModel
+from worker.prompt import PromptTooLong
+from worker.sampler import SamplingState, sample
+from worker.scheduler import Scheduled, Scheduler, Sequence, StepPlan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineStats", "GenRequest", "PromptTooLong", "SeqOutput"]
+
+
+@dataclass
+class GenRequest:
+    id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    # Tokens an earlier (dead) worker already streamed: generation continues after them; they
+    # count toward max_tokens and stop checks but are not emitted again.
+    generated_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SeqOutput:
+    """What one sequence produced in one step (or how it finished)."""
+
+    id: str
+    token_ids: list[int]
+    text: str  # never ends inside a UTF-8 character; stop strings trimmed
+    finish_reason: str | None  # None while running; "stop" | "length" | "cancelled" | "error"
+    stop_sequence: str | None
+    prompt_tokens: int
+    completion_tokens: int  # total so far, generated_ids of an earlier run included
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_free: int
+    kv_pages_total: int
+    prefix_hit_tokens: int
+    prefix_lookup_tokens: int
+    tokens_generated: int
+    preemptions: int
+    steps: int
+    last_step_seconds: float
+
+
+@dataclass(eq=False)
+class _Active:
+    """Engine-side state of one request next to its scheduler Sequence."""
+
+    request: GenRequest
+    seq: Sequence
+    sampling: SamplingState
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    stop_token_ids: frozenset[int]
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.seq.token_ids) - self.seq.num_prompt_tokens
+
+    def output(
+        self,
+        token_ids: list[int],
+        text: str,
+        finish_reason: str | None = None,
+        stop_sequence: str | None = None,
+        error: str | None = None,
+    ) -> SeqOutput:
+        return SeqOutput(
+            id=self.request.id,
+            token_ids=token_ids,
+            text=text,
+            finish_reason=finish_reason,
+            stop_sequence=stop_sequence,
+            prompt_tokens=self.seq.num_prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.seq.cached_prompt_tokens or 0,
+            error=error,
+        )
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LoadedModel,
+        *,
+        kv_memory_bytes: int | None = None,
+        page_size: int = 16,
+        max_seqs: int = 64,
+        step_tokens: int = 512,
+        on_step: Callable[[list[SeqOutput]], None],
+    ) -> None:
+        self.model = model
+        self.max_context = model.config.max_context
+        self.kv = _make_kv_cache(model, kv_memory_bytes, page_size, max_seqs)
+        self.scheduler = Scheduler(self.kv, max_seqs=max_seqs, step_tokens=step_tokens, max_context=self.max_context)
+        self._on_step = on_step
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmq-model")
+        self._wake = asyncio.Event()
+        self._incoming: list[GenRequest] = []
+        self._cancels: list[str] = []
+        self._active: dict[str, _Active] = {}
+        self._stopping = False
+        self._tokens_generated = 0
+        self._steps = 0
+        self._last_step_seconds = 0.0
+
+    # ------------------------------------------------------------ public API
+
+    def add(self, request: GenRequest) -> None:
+        """Queue a request; raises PromptTooLong if it can never fit, ValueError on bad input."""
+        if self._stopping:
+            raise RuntimeError("the engine is stopping")
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if request.id in self._active or any(r.id == request.id for r in self._incoming):
+            raise ValueError(f"request {request.id} is already running")
+        self._check_fits(request)
+        self._incoming.append(request)
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        """Finish the request with "cancelled" (at the next step boundary) and free its pages."""
+        self._cancels.append(request_id)
+        self._wake.set()
+
+    def free_slots(self) -> int:
+        """How many more requests to hand over now: none while some wait for pages."""
+        if self._stopping or self.scheduler.waiting:
+            return 0
+        return max(0, self.scheduler.max_seqs - len(self._active) - len(self._incoming))
+
+    def stop(self) -> None:
+        """Accept nothing more; `run` returns once every running request has finished."""
+        self._stopping = True
+        self._wake.set()
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + len(self._incoming),
+            kv_pages_used=self.kv.num_used,
+            kv_pages_free=self.kv.num_free,
+            kv_pages_total=self.kv.num_pages,
+            prefix_hit_tokens=self.scheduler.prefix.hit_tokens,
+            prefix_lookup_tokens=self.scheduler.prefix.lookup_tokens,
+            tokens_generated=self._tokens_generated,
+            preemptions=self.scheduler.preemptions,
+            steps=self._steps,
+            last_step_seconds=self._last_step_seconds,
+        )
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                outputs = self._take_incoming() + self._take_cancels()
+                if self.scheduler.has_work():
+                    plan = self.scheduler.schedule()
+                    if plan.scheduled:
+                        outputs += await self._step(loop, plan)
+                if outputs:
+                    self._on_step(outputs)
+                if self.scheduler.has_work() or self._incoming or self._cancels:
+                    continue
+                if self._stopping:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+        finally:
+            self._executor.shutdown(wait=False)
+
+    # ------------------------------------------------------------ between steps
+
+    def _check_fits(self, request: GenRequest) -> None:
+        tokens = len(request.prompt_ids) + len(request.generated_ids)
+        if tokens >= self.max_context:
+            raise PromptTooLong(
+                f"the prompt has {tokens} tokens; the model's context holds {self.max_context} "
+                "including at least one generated token"
+            )
+        longest = min(len(request.prompt_ids) + request.sampling.max_tokens, self.max_context)
+        pages = -(-longest // self.kv.page_size)
+        if pages > self.kv.num_pages:
+            raise PromptTooLong(
+                f"prompt and max_tokens need up to {longest} tokens ({pages} KV pages); "
+                f"the KV cache holds {self.kv.num_pages} pages of {self.kv.page_size} tokens"
+            )
+
+    def _take_incoming(self) -> list[SeqOutput]:
+        outputs = []
+        for request in self._incoming:
+            active = self._activate(request)
+            finished = self._already_finished(active)
+            if finished is not None:
+                outputs.append(active.output([], "", finished))
+            else:
+                self._active[request.id] = active
+                self.scheduler.add(active.seq)
+        self._incoming = []
+        return outputs
+
+    def _activate(self, request: GenRequest) -> _Active:
+        params = request.sampling
+        seq = Sequence(
+            id=request.id,
+            token_ids=[*request.prompt_ids, *request.generated_ids],
+            num_prompt_tokens=len(request.prompt_ids),
+        )
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.model.stop_token_ids
+        sampling = SamplingState(
+            params,
+            prompt_ids=request.prompt_ids,
+            generated_ids=request.generated_ids,
+            vocab_size=self.model.config.vocab_size,
+            device=self.model.device,
+        )
+        detok = IncrementalDetokenizer(self.model.tokenizer, seq.token_ids)
+        return _Active(request, seq, sampling, detok, StopStrings(params.stop), stop_ids)
+
+    def _already_finished(self, active: _Active) -> str | None:
+        """A request resumed from an earlier run may have nothing left to generate."""
+        generated = active.request.generated_ids
+        if generated and generated[-1] in active.stop_token_ids:
+            return "stop"
+        if active.completion_tokens >= active.request.sampling.max_tokens:
+            return "length"
+        return None
+
+    def _take_cancels(self) -> list[SeqOutput]:
+        outputs = []
+        for request_id in self._cancels:
+            active = self._active.pop(request_id, None)
+            if active is not None:
+                self.scheduler.remove(active.seq)
+                outputs.append(active.output([], "", "cancelled"))
+        self._cancels = []
+        return outputs
+
+    # ------------------------------------------------------------ one step
+
+    async def _step(self, loop: asyncio.AbstractEventLoop, plan: StepPlan) -> list[SeqOutput]:
+        samplers = [item for item in plan.scheduled if item.samples]
+        states = [self._active[item.seq.id].sampling for item in samplers]
+        started = time.perf_counter()
+        try:
+            tokens = await loop.run_in_executor(self._executor, self._compute, plan.scheduled, states)
+        except Exception as error:  # a failed step fails its sequences, never the worker
+            log.exception("engine step failed")
+            return self._fail(plan, error)
+        finally:
+            self._last_step_seconds = time.perf_counter() - started
+            self._steps += 1
+        self.scheduler.complete(plan)
+        self._tokens_generated += len(tokens)
+        return [self._append(self._active[item.seq.id], token) for item, token in zip(samplers, tokens)]
+
+    def _compute(self, scheduled: list[Scheduled], states: list[SamplingState]) -> list[int]:
+        """In the executor thread: the model forward over the step, then sampling."""
+        batch = build_step_batch(scheduled, self.scheduler.page_table, self.kv.page_size, self.model.device)
+        with torch.inference_mode():
+            logits = self.model.model(batch, self.kv.kv)
+            rows = [row for row, item in enumerate(scheduled) if item.samples]
+            if len(rows) < len(scheduled):
+                logits = logits[rows]
+            tokens = sample(logits, states)
+        for state, token in zip(states, tokens):
+            state.record(token)
+        return tokens
+
+    def _append(self, active: _Active, token: int) -> SeqOutput:
+        seq = active.seq
+        seq.token_ids.append(token)
+        if token in active.stop_token_ids:
+            text, stop = self._final_text(active, active.detok.flush())
+            return self._finish(active, [token], text, "stop", stop)
+        text, stop = active.stops.push(active.detok.add(token))
+        if stop is not None:
+            return self._finish(active, [token], text, "stop", stop)
+        if active.completion_tokens >= active.request.sampling.max_tokens or len(seq.token_ids) >= self.max_context:
+            tail, stop = self._final_text(active, active.detok.flush())
+            return self._finish(active, [token], text + tail, "stop" if stop else "length", stop)
+        return active.output([token], text)
+
+    @staticmethod
+    def _final_text(active: _Active, text: str) -> tuple[str, str | None]:
+        """The last text of a sequence: stop strings still apply, held-back text is released."""
+        text, stop = active.stops.push(text)
+        if stop is None:
+            text += active.stops.flush()
+        return text, stop
+
+    def _finish(self, active: _Active, token_ids: list[int], text: str, reason: str, stop: str | None) -> SeqOutput:
+        self.scheduler.remove(active.seq)
+        del self._active[active.request.id]
+        return active.output(token_ids, text, reason, stop_sequence=stop)
+
+    def _fail(self, plan: StepPlan, error: Exception) -> list[SeqOutput]:
+        outputs = []
+        for item in plan.scheduled:
+            active = self._active.pop(item.seq.id)
+            self.scheduler.remove(item.seq)
+            outputs.append(active.output([], "", "error", error=f"{type(error).__name__}: {error}"))
+        return outputs
+
+
+def build_step_batch(scheduled: list[Scheduled], page_table: torch.Tensor, page_size: int, device: torch.device) -> StepBatch:
+    """The model's input for one step: each sequence's next tokens and where their K/V go."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    for item in scheduled:
+        seq, start = item.seq, item.seq.num_computed
+        end = start + item.num_tokens
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += [seq.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+        query_lens.append(item.num_tokens)
+        context_lens.append(end)
+    rows = torch.tensor([item.seq.row for item in scheduled])
+    max_pages = -(-max(context_lens) // page_size)
+    last_tokens = torch.tensor(query_lens).cumsum(0) - 1
+    return StepBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device),
+        positions=torch.tensor(positions, dtype=torch.int64).to(device),
+        slots=torch.tensor(slots, dtype=torch.int64).to(device),
+        query_lens=query_lens,
+        context_lens=context_lens,
+        page_tables=page_table[rows, :max_pages].to(device),
+        logits_indices=last_tokens.to(device),
+    )
+
+
+def _make_kv_cache(model: LoadedModel, kv_memory_bytes: int | None, page_size: int, max_seqs: int) -> KVCache:
+    config = model.config
+    per_page = page_bytes(config.num_layers, config.num_kv_heads, config.head_dim, page_size, model.dtype)
+    if kv_memory_bytes is None:
+        pages_per_seq = -(-config.max_context // page_size)
+        kv_memory_bytes = default_kv_budget(model.device, max_seqs * pages_per_seq * per_page)
+    num_pages = kv_memory_bytes // per_page
+    if num_pages < 1:
+        raise ValueError(f"a KV budget of {kv_memory_bytes} bytes holds no page of {per_page} bytes")
+    log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, page_size, num_pages * per_page / 2**20)
+    return KVCache(
+        num_pages=num_pages,
+        page_size=page_size,
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=model.dtype,
+        device=model.device,
+    )
