@@ -1,0 +1,136 @@
+"""The wire format: round trips, and a clear error code for each way a message can be wrong."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+import protocol
+from protocol import ProtocolError, Reply, Request, SamplingParams
+
+
+def request(**overrides) -> dict:
+    data = {
+        "v": 1,
+        "id": "req-1",
+        "model": "smollm2",
+        "reply": {"kind": "pubsub", "key": "lmq:reply:g1"},
+        "sampling": {"max_tokens": 8, "temperature": 0},
+        "deadline": 2e9,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    data.update(overrides)
+    return {k: v for k, v in data.items() if v is not None}
+
+
+def refused(data: dict) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_request(msgpack.packb(data))
+    return info.value
+
+
+def test_request_round_trip():
+    original = Request(
+        id="r.1:a-b_c",
+        model="m",
+        reply=Reply("stream", "out:r1"),
+        sampling=SamplingParams(max_tokens=5, temperature=0.5, seed=3, logit_bias={7: -2.0}, stop=["\n"]),
+        deadline=1234.5,
+        prompt_ids=[1, 2, 3],
+        truncate=True,
+    )
+    assert protocol.decode_request(original.encode()) == original
+
+
+def test_defaults_fill_what_is_left_out():
+    parsed = protocol.decode_request(msgpack.packb(request(sampling=None, deadline=None)))
+    assert parsed.sampling == SamplingParams()
+    assert parsed.deadline > 0
+    assert parsed.truncate is False
+
+
+@pytest.mark.parametrize(
+    "overrides, code",
+    [
+        ({"v": 2}, "unsupported_version"),
+        ({"v": None}, "unsupported_version"),
+        ({"model": None}, "bad_request"),
+        ({"prompt": "also a prompt"}, "bad_request"),
+        ({"messages": None}, "bad_request"),
+        ({"messages": []}, "bad_request"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "bad_request"),
+        ({"messages": [{"role": "user", "content": 5}]}, "bad_request"),
+        ({"messages": [{"role": "user", "content": "x" * (600 * 1024)}]}, "too_large"),
+        ({"messages": None, "prompt_ids": [1, -1]}, "bad_request"),
+        ({"messages": None, "prompt_ids": [True]}, "bad_request"),
+        ({"sampling": {"max_tokens": 0}}, "bad_request"),
+        ({"sampling": {"max_tokens": "8"}}, "bad_request"),
+        ({"sampling": {"temperature": float("nan")}}, "bad_request"),
+        ({"sampling": {"top_p": 1.5}}, "bad_request"),
+        ({"sampling": {"stop": [""]}}, "bad_request"),
+        ({"sampling": {"stop": ["x"] * 17}}, "too_large"),
+        ({"sampling": {"logit_bias": {"abc": 1}}}, "bad_request"),
+        ({"sampling": {"logit_bias": {"5": 1000}}}, "bad_request"),
+        ({"sampling": {"logit_bias": {str(1 << 40): 1}}}, "bad_request"),
+        ({"sampling": []}, "bad_request"),
+        ({"deadline": "tomorrow"}, "bad_request"),
+        ({"truncate": 1}, "bad_request"),
+    ],
+)
+def test_invalid_fields_name_the_problem_and_keep_the_reply(overrides, code):
+    error = refused(request(**overrides))
+    assert error.code == code
+    assert error.code in protocol.ERROR_CODES
+    assert error.request_id == "req-1"
+    assert error.reply == Reply("pubsub", "lmq:reply:g1")
+
+
+@pytest.mark.parametrize("bad_id", [None, "", "has space", "x" * 129, 42, "ü"])
+def test_bad_ids_are_refused_but_the_reply_is_still_read(bad_id):
+    error = refused(request(id=bad_id) if bad_id is not None else {k: v for k, v in request().items() if k != "id"})
+    assert error.code in ("bad_request", "too_large")
+    assert error.request_id is None or error.request_id == bad_id
+    assert error.reply == Reply("pubsub", "lmq:reply:g1")
+
+
+@pytest.mark.parametrize("reply", [None, "lmq:reply:g1", {"kind": "email", "key": "x"}, {"kind": "stream", "key": ""}])
+def test_without_a_valid_reply_there_is_no_reply_address(reply):
+    error = refused(request(reply=reply) if reply is not None else {k: v for k, v in request().items() if k != "reply"})
+    assert error.reply is None
+    assert error.code == "bad_request"
+
+
+@pytest.mark.parametrize(
+    "raw, code",
+    [
+        (b"\xc1", "bad_request"),  # never used in msgpack
+        (b"", "bad_request"),
+        (msgpack.packb([1, 2]), "bad_request"),
+        (msgpack.packb({1: 2}), "bad_request"),
+        (msgpack.packb(msgpack.ExtType(1, b"x")), "bad_request"),
+        (msgpack.packb({"x": msgpack.ExtType(5, b"p")}), "bad_request"),
+        (b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1), "too_large"),
+    ],
+)
+def test_bytes_that_are_not_a_request_map(raw, code):
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_request(raw)
+    assert info.value.code == code
+
+
+def test_events_and_batches_round_trip():
+    events = [
+        protocol.delta_event("r1", 0, "Hé", [1, 2], 0),
+        protocol.done_event("r1", 1, "length", 5, 2, 0),
+        protocol.error_event("r2", 0, "timeout", "deadline passed"),
+    ]
+    assert protocol.decode_event_batch(protocol.encode_event_batch(events)) == events
+    assert [protocol.decode_event(protocol.encode(e)) for e in events] == events
+
+
+def test_cancel_and_heartbeat_round_trip():
+    assert protocol.decode_cancel(protocol.cancel_message("r-9")) == "r-9"
+    beat = protocol.Heartbeat("w1", "m", 8, 2, 1, 10, 100, 5.0)
+    assert protocol.Heartbeat.decode(beat.encode()) == beat
+    with pytest.raises(ProtocolError):
+        protocol.decode_cancel(protocol.encode({"v": 1, "id": "no spaces allowed"}))

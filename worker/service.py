@@ -1,0 +1,305 @@
+"""The worker service: a member of the `workers` consumer group that feeds the engine.
+
+It reads new entries only while the engine has room (pull = load balancing), takes over
+entries that dead workers left idle, keeps the idle time of its own entries low, listens for
+cancellations, heartbeats, and on SIGTERM (or `stop`) drains within the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+import time
+from typing import Iterator
+
+import redis.asyncio as aioredis
+import torch
+from redis.exceptions import RedisError
+
+from protocol import CANCEL_CHANNEL, Heartbeat, ProtocolError, Request, decode_cancel, decode_request, progress_key, request_stream
+from worker.claims import Entry, RequestStream
+from worker.config import WorkerConfig
+from worker.engine import Engine, GenRequest, SeqOutput
+from worker.heartbeat import heartbeat_loop
+from worker.metrics import WorkerMetrics
+from worker.model.loader import LoadedModel, load_model
+from worker.prompt import PromptTooLong, build_prompt_ids
+from worker.publisher import Publisher
+from worker.tracking import RequestTable
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK_MS = 1000
+REDIS_RETRY_S = 1.0
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_kv_memory(text: str) -> int | None:
+    """'auto' → None (the engine picks); '512MiB', '4GiB', '1.5G', '1048576' → bytes."""
+    if text.strip().lower() == "auto":
+        return None
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a memory size: {text!r} (try 512MiB or 4GiB)")
+    unit = (match.group(2) or "").upper()[:1]
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+async def run_worker(config: WorkerConfig, *, model: LoadedModel | None = None, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set (by default: until SIGTERM), then drain; cancelling stops at once."""
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    if model is None:
+        model = await asyncio.to_thread(load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device)
+    redis = aioredis.Redis.from_url(config.redis_url)
+    try:
+        await Worker(config, model, redis).run(stop)
+    finally:
+        await redis.aclose()
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, model: LoadedModel, redis: aioredis.Redis):
+        self.config = config
+        self.model = model
+        self.model_name = config.model_name or model.name
+        self.redis = redis
+        stream_name = request_stream(self.model_name)
+        self.stream = RequestStream(redis, stream_name, config.worker_id)
+        self.publisher = Publisher(redis, stream_name)
+        self.engine = Engine(
+            model,
+            kv_memory_bytes=parse_kv_memory(config.kv_memory),
+            page_size=config.page_size,
+            max_seqs=config.max_seqs,
+            step_tokens=config.step_tokens,
+            on_step=self._on_step,
+        )
+        self.metrics = WorkerMetrics(lambda: self.engine.stats)
+        self.table = RequestTable(self.publisher, config.worker_id, lambda outcome: self.metrics.finished.labels(outcome).inc())
+        self._room = asyncio.Event()
+
+    # ------------------------------------------------------------ lifetime
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        await self.stream.ensure_group()
+        if stop is not None:
+            await self._serve(stop)
+            return
+        stop = asyncio.Event()
+        with _stop_on_sigterm(stop):
+            await self._serve(stop)
+
+    async def _serve(self, stop: asyncio.Event) -> None:
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port)
+        engine = asyncio.create_task(self.engine.run(), name="engine")
+        background = [
+            asyncio.create_task(self.publisher.run(), name="publisher"),
+            asyncio.create_task(heartbeat_loop(self.redis, self.config.worker_id, self._heartbeat), name="heartbeat"),
+            asyncio.create_task(self._listen_for_cancels(), name="cancels"),
+            asyncio.create_task(self._keep_loop(), name="keep"),
+        ]
+        intake = [asyncio.create_task(self._read_loop(), name="read"), asyncio.create_task(self._claim_loop(), name="claim")]
+        log.info("worker %s serving %s from %s", self.config.worker_id, self.model_name, self.stream.stream)
+        try:
+            await _until_stop_or_failure(stop, [engine, *intake, *background])
+            await _cancel(intake)
+            await self._drain(engine)
+        finally:
+            await _cancel([engine, *intake, *background])
+            self.metrics.close()
+
+    async def _drain(self, engine: asyncio.Task) -> None:
+        """Finish what the engine holds within the grace period; what is left stays pending for others."""
+        log.info("worker %s stopping: draining %d requests", self.config.worker_id, len(self.table.running))
+        self.engine.stop()
+        try:
+            await asyncio.wait_for(asyncio.shield(engine), self.config.grace_seconds)
+        except asyncio.TimeoutError:
+            log.warning("grace period over: %d requests handed back to the group", len(self.table.running))
+        await self.publisher.flush()
+
+    def _heartbeat(self) -> Heartbeat:
+        stats = self.engine.stats
+        return Heartbeat(
+            worker_id=self.config.worker_id,
+            model=self.model_name,
+            capacity=self.config.max_seqs,
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_pages_used=stats.kv_pages_used,
+            kv_pages_total=stats.kv_pages_total,
+            time=time.time(),
+        )
+
+    # ------------------------------------------------------------ Redis loops
+
+    async def _read_loop(self) -> None:
+        while True:
+            room = self.engine.free_slots()
+            if room <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            try:
+                for entry in await self.stream.read_new(room, READ_BLOCK_MS):
+                    await self._admit(entry, claimed=False)
+            except RedisError as exc:
+                await _pause_after(exc)
+
+    async def _claim_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.claim_idle_ms / 2000)
+            room = self.engine.free_slots()
+            try:
+                for entry in await self.stream.claim_idle(self.config.claim_idle_ms, room) if room > 0 else []:
+                    await self._admit(entry, claimed=True)
+            except RedisError as exc:
+                await _pause_after(exc)
+
+    async def _keep_loop(self) -> None:
+        """Keep our entries from looking abandoned, and time out those past their deadline."""
+        while True:
+            await asyncio.sleep(self.config.claim_idle_ms / 3000)
+            self._time_out_overdue()
+            try:
+                await self.stream.keep([running.entry_id for running in self.table.running.values()])
+            except RedisError as exc:
+                log.warning("could not refresh held entries: %s", exc)
+
+    async def _listen_for_cancels(self) -> None:
+        while True:
+            try:
+                await self._cancel_subscription()
+            except RedisError as exc:
+                await _pause_after(exc)
+
+    async def _cancel_subscription(self) -> None:
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(CANCEL_CHANNEL)
+        try:
+            async for message in pubsub.listen():
+                if message["type"] == "message":
+                    self._cancel(message["data"])
+        finally:
+            await pubsub.aclose()
+
+    def _cancel(self, raw: bytes) -> None:
+        try:
+            request_id = decode_cancel(raw)
+        except ProtocolError as exc:
+            log.info("ignored a malformed cancellation: %s", exc)
+            return
+        if request_id in self.table.running:
+            self.engine.cancel(request_id)
+
+    def _time_out_overdue(self) -> None:
+        now = time.time()
+        for running in self.table.running.values():
+            if running.request.deadline < now and not running.timed_out:
+                running.timed_out = True
+                self.engine.cancel(running.request.id)
+
+    # ------------------------------------------------------------ from entry to engine
+
+    async def _admit(self, entry: Entry, *, claimed: bool) -> None:
+        raw = entry.fields.get(b"msg", b"")
+        try:
+            request = decode_request(raw)
+        except ProtocolError as exc:
+            self.table.reject(entry.entry_id, raw, exc.code, exc.message, request_id=exc.request_id, reply=exc.reply)
+            return
+        streamed: list[int] = []
+        try:
+            if claimed:
+                streamed = await self._check_attempts_and_progress(entry, request)
+            if time.time() > request.deadline:
+                raise ProtocolError("timeout", "the request's deadline passed before it started")
+            self._start(request, entry.entry_id, streamed)
+        except RedisError:
+            raise
+        except Exception as exc:
+            code, message = _rejection(exc)
+            self.table.reject(entry.entry_id, raw, code, message, request_id=request.id, reply=request.reply, seq=len(streamed))
+
+    async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
+        """For an entry taken over from a dead worker: the tokens it streamed, unless it ran too often."""
+        streamed = [int(token) for token in await self.redis.lrange(progress_key(request.id), 0, -1)]
+        attempts = await self.stream.delivery_count(entry.entry_id)
+        if attempts > self.config.max_attempts:
+            raise ProtocolError("retry_limit", f"abandoned by {attempts - 1} workers; the limit is {self.config.max_attempts} runs")
+        return streamed
+
+    def _start(self, request: Request, entry_id: str, streamed: list[int]) -> None:
+        if request.id in self.table.running:
+            raise ProtocolError("duplicate_id", f"a request with id {request.id} is already running")
+        prompt_ids = build_prompt_ids(
+            self.model,
+            messages=request.messages,
+            prompt=request.prompt,
+            prompt_ids=request.prompt_ids,
+            max_tokens=request.sampling.max_tokens,
+            truncate=request.truncate,
+        )
+        self.engine.add(GenRequest(request.id, prompt_ids, request.sampling, generated_ids=streamed))
+        self.table.start(request, entry_id, len(streamed))
+
+    def _on_step(self, outputs: list[SeqOutput]) -> None:
+        self.table.on_step(outputs)
+        self._room.set()
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm(stop: asyncio.Event) -> Iterator[None]:
+    """Set `stop` on SIGTERM while inside (where this loop can handle signals: the main thread)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    except (NotImplementedError, RuntimeError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def _rejection(exc: Exception) -> tuple[str, str]:
+    """The error code and message for a request that could not start."""
+    if isinstance(exc, ProtocolError):
+        return exc.code, exc.message
+    if isinstance(exc, PromptTooLong):
+        return "prompt_too_long", str(exc)
+    if isinstance(exc, ValueError):  # e.g. token ids outside the vocabulary
+        return "bad_request", str(exc)
+    log.error("could not start a request", exc_info=exc)
+    return "internal", f"{type(exc).__name__}: {exc}"
+
+
+async def _until_stop_or_failure(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+    """Wait for `stop`; a task that ends first (it failed) re-raises its exception."""
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    for task in done:
+        if task is not stopped:
+            task.result()
+            raise RuntimeError(f"the {task.get_name()} task ended unexpectedly")
+
+
+async def _pause_after(error: RedisError) -> None:
+    log.warning("redis: %s; retrying in %.0f s", error, REDIS_RETRY_S)
+    await asyncio.sleep(REDIS_RETRY_S)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

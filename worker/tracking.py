@@ -1,0 +1,86 @@
+"""The requests a worker holds, and the events their engine outputs become."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from protocol import Reply, Request, delta_event, done_event, error_event
+from worker.engine import SeqOutput
+from worker.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+# Rejections that are answers to a well-formed request, not poison: no dead letter for them.
+ORDINARY_REJECTIONS = ("timeout", "prompt_too_long")
+
+
+@dataclass
+class Running:
+    request: Request
+    entry_id: str
+    next_seq: int
+    streamed: int  # completion tokens sent so far, by this worker or a dead one before it
+    timed_out: bool = False
+
+    def take_seq(self) -> int:
+        self.next_seq += 1
+        return self.next_seq - 1
+
+
+class RequestTable:
+    def __init__(self, publisher: Publisher, worker_id: str, count_outcome: Callable[[str], None]):
+        self.publisher = publisher
+        self.worker_id = worker_id
+        self.count_outcome = count_outcome  # called with a finish reason or an error code
+        self.running: dict[str, Running] = {}
+
+    def start(self, request: Request, entry_id: str, already_streamed: int) -> None:
+        # A dead worker sent at most one delta per streamed token, so its seq numbers stay below this.
+        self.running[request.id] = Running(request, entry_id, next_seq=already_streamed, streamed=already_streamed)
+
+    def on_step(self, outputs: list[SeqOutput]) -> None:
+        """Turn one engine step's outputs into writes."""
+        for output in outputs:
+            running = self.running.get(output.id)
+            if running is None:
+                continue
+            self._send_delta(running, output)
+            if output.finish_reason is not None:
+                self._send_end(running, output)
+                del self.running[output.id]
+
+    def reject(self, entry_id: str, raw: bytes, code: str, message: str, *, request_id: str | None, reply: Reply | None, seq: int = 0) -> None:
+        """Answer a request that will not run: an error event where possible, a dead letter unless ordinary."""
+        log.info("rejected entry %s (%s): %s", entry_id, code, message)
+        self.count_outcome(code)
+        if reply is not None:
+            self.publisher.send(reply, error_event(request_id, seq, code, message))
+        if code not in ORDINARY_REJECTIONS:
+            self.publisher.dead_letter(raw, code, message, self.worker_id)
+        self.publisher.finish(entry_id, None)
+
+    def _send_delta(self, running: Running, output: SeqOutput) -> None:
+        if not output.token_ids and not output.text:
+            return
+        request = running.request
+        self.publisher.send(request.reply, delta_event(request.id, running.take_seq(), output.text, output.token_ids, running.streamed))
+        running.streamed += len(output.token_ids)
+        if output.finish_reason is None:
+            self.publisher.record_progress(request.id, output.token_ids)
+
+    def _send_end(self, running: Running, output: SeqOutput) -> None:
+        request = running.request
+        seq = running.take_seq()
+        if output.finish_reason == "error":
+            event = error_event(request.id, seq, "internal", output.error or "the engine failed")
+        elif output.finish_reason == "cancelled" and running.timed_out:
+            event = error_event(request.id, seq, "timeout", "the request's deadline passed while it ran")
+        else:
+            event = done_event(
+                request.id, seq, output.finish_reason, output.prompt_tokens, output.completion_tokens, output.cached_tokens, output.stop_sequence
+            )
+        self.publisher.send(request.reply, event)
+        self.publisher.finish(running.entry_id, request.id)
+        self.count_outcome(event.get("finish_reason") or event["code"])
