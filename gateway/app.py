@@ -1,0 +1,94 @@
+"""The gateway's aiohttp application: routes, middlewares, and the Redis-backed state they share."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+import protocol
+
+from . import anthropic, openai, status
+from .auth import auth_middleware, load_api_keys
+from .config import GatewayConfig
+from .context import GATEWAY, Gateway
+from .errors import ApiError, api_of, error_response
+from .metrics import Metrics, metrics_middleware
+from .queue import RequestQueue
+from .replies import ReplyRouter
+from .workers import ModelRegistry
+
+log = logging.getLogger(__name__)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error, ours or aiohttp's (404, 405, 413), in the shape of the API the client called."""
+    try:
+        return await handler(request)
+    except ApiError as error:
+        failure = error
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        failure = ApiError(exc.status, exc.text or exc.reason)
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        log.warning("redis unavailable: %s", exc)
+        failure = ApiError(503, "the request queue is unavailable; retry later", code="unavailable")
+    request.app[GATEWAY].metrics.errors.labels(failure.label).inc()
+    return error_response(api_of(request), failure)
+
+
+def create_app(config: GatewayConfig) -> web.Application:
+    redis = aioredis.Redis.from_url(config.redis_url)
+    gateway = Gateway(
+        config=config,
+        redis=redis,
+        replies=ReplyRouter(redis, protocol.gateway_reply_channel(config.gateway_id)),
+        queue=RequestQueue(redis, config.max_queue, config.retry_after),
+        models=ModelRegistry(redis),
+        metrics=Metrics(),
+    )
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[metrics_middleware(gateway.metrics), error_middleware, auth_middleware(load_api_keys(config))],
+    )
+    app[GATEWAY] = gateway
+    app.cleanup_ctx.append(_subscribed)
+    app.router.add_post("/v1/chat/completions", openai.chat_completions)
+    app.router.add_post("/v1/completions", openai.completions)
+    app.router.add_post("/v1/messages", anthropic.messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
+    app.router.add_get("/v1/models", status.list_models)
+    app.router.add_get("/v1/models/{model}", status.get_model)
+    app.router.add_get("/health", status.health)
+    app.router.add_get("/ready", status.ready)
+    app.router.add_get("/metrics", status.metrics)
+    return app
+
+
+async def _subscribed(app: web.Application) -> AsyncIterator[None]:
+    """Subscribe to this gateway's reply channel before the first request; close everything at the end."""
+    gateway = app[GATEWAY]
+    await gateway.replies.start()
+    yield
+    await gateway.replies.stop()
+    await gateway.redis.aclose()
+
+
+async def run_gateway(config: GatewayConfig) -> None:
+    """Serve until cancelled. A client that disconnects cancels its handler (and so its request)."""
+    runner = web.AppRunner(create_app(config), handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        log.info("gateway %s listening on http://%s:%d", config.gateway_id, config.host, config.port)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

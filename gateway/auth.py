@@ -1,0 +1,50 @@
+"""Optional API keys, accepted as `Authorization: Bearer <key>` or `x-api-key: <key>` on /v1/*."""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from .config import GatewayConfig
+from .errors import ApiError
+
+PROTECTED_PREFIX = "/v1/"
+
+
+def load_api_keys(config: GatewayConfig) -> frozenset[str]:
+    """Keys from `api_keys` (comma-separated) and `api_keys_file` (one a line, `#` comments); empty = no auth."""
+    keys = [key.strip() for key in config.api_keys.split(",")]
+    if config.api_keys_file:
+        lines = Path(config.api_keys_file).read_text(encoding="utf-8").splitlines()
+        keys += [line.strip() for line in lines if not line.strip().startswith("#")]
+    return frozenset(key for key in keys if key)
+
+
+def presented_key(request: web.Request) -> str | None:
+    authorization = request.headers.get("Authorization", "")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key")
+
+
+def _is_known(key: str, keys: frozenset[str]) -> bool:
+    # compare with every key, in constant time, so timing tells nothing about near misses
+    return any([hmac.compare_digest(key.encode(), known.encode()) for known in keys])
+
+
+def auth_middleware(keys: frozenset[str]) -> Middleware:
+    @web.middleware
+    async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if keys and request.path.startswith(PROTECTED_PREFIX):
+            key = presented_key(request)
+            if key is None:
+                raise ApiError(401, "no API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`", code="invalid_api_key")
+            if not _is_known(key, keys):
+                raise ApiError(401, "the API key is not valid", code="invalid_api_key")
+        return await handler(request)
+
+    return require_key

@@ -1,0 +1,31 @@
+"""The per-process state every handler uses, stored on the aiohttp application."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from .config import GatewayConfig
+from .metrics import Metrics
+from .workers import ModelRegistry
+from .queue import RequestQueue
+from .replies import ReplyRouter
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    redis: aioredis.Redis
+    replies: ReplyRouter
+    queue: RequestQueue
+    models: ModelRegistry
+    metrics: Metrics
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def gateway_of(request: web.Request) -> Gateway:
+    return request.app[GATEWAY]

@@ -1,0 +1,178 @@
+"""One request in flight: enqueued on entry, its events read as they come, withdrawn on an early exit.
+
+    async with Generation(gateway, request) as generation:
+        async for event in generation.events(keepalive=5.0):
+            ...  # Delta, then one Done; None when `keepalive` seconds passed without an event
+
+A worker's `error` event, a request no worker started within `pickup_timeout`, and one past its
+deadline all raise ApiError. Leaving the block before the `done` (the client went away, or an
+error) withdraws the request: deleted from the stream if no worker read it yet, else cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import protocol
+
+from .context import Gateway
+from .errors import ApiError
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # "stop" or "length"
+    stop_sequence: str | None
+    usage: Usage
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def new_request(gateway: Gateway, request_id: str, model: str, sampling: protocol.SamplingParams, **prompt: Any) -> protocol.Request:
+    """A protocol request whose events come back to this gateway; `prompt` is messages=, prompt= or prompt_ids=.
+
+    It is checked as a worker will check it, so a request the protocol refuses fails here (400 or 413),
+    before it is enqueued.
+    """
+    request = protocol.Request(
+        id=request_id,
+        model=model,
+        reply=protocol.Reply(kind="pubsub", key=gateway.replies.channel),
+        sampling=sampling,
+        deadline=time.time() + gateway.config.request_timeout,
+        **prompt,
+    )
+    try:
+        checked = protocol.decode_request(request.encode())
+    except protocol.ProtocolError as exc:
+        raise ApiError(413 if exc.code == "too_large" else 400, exc.message, code=exc.code) from None
+    return checked
+
+
+class Generation:
+    def __init__(self, gateway: Gateway, request: protocol.Request):
+        self.gateway = gateway
+        self.request = request
+        self._events: asyncio.Queue[dict[str, Any]] | None = None
+        self._entry_id = ""
+        self._submitted_at = 0.0
+        self._first_token_at: float | None = None
+        self._started = False  # some event came: a worker holds the request
+        self._tokens_relayed = 0
+        self._finished = False
+
+    async def __aenter__(self) -> "Generation":
+        self._events = self.gateway.replies.open(self.request.id)
+        try:
+            self._entry_id = await self.gateway.queue.submit(self.request)
+        except BaseException:
+            self.gateway.replies.close(self.request.id)
+            raise
+        self._submitted_at = time.monotonic()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.gateway.replies.close(self.request.id)
+        if not self._finished:
+            await asyncio.shield(self.gateway.queue.withdraw(self.request, self._entry_id))
+
+    async def events(self, keepalive: float | None = None) -> AsyncIterator[Delta | Done | None]:
+        while True:
+            event = await self._next_event(keepalive)
+            if event is None:
+                yield None
+            elif event["type"] == "delta":
+                delta = self._accept_delta(event)
+                if delta is not None:
+                    yield delta
+            elif event["type"] == "done":
+                yield self._finish(event)
+                return
+            else:
+                self._finished = True
+                raise ApiError.from_worker(str(event.get("code")), str(event.get("message")))
+
+    async def result(self) -> tuple[str, Done]:
+        """The whole text and the `done` (for non-streaming answers)."""
+        texts = []
+        async for event in self.events():
+            if isinstance(event, Delta):
+                texts.append(event.text)
+            elif isinstance(event, Done):
+                return "".join(texts), event
+        raise AssertionError("events() ends only after a Done or an error")
+
+    async def _next_event(self, keepalive: float | None) -> dict[str, Any] | None:
+        assert self._events is not None
+        limit, problem = self._time_limit()
+        wait = limit - time.monotonic()
+        if keepalive is not None and keepalive < wait:
+            wait = keepalive
+            problem = None
+        try:
+            event = await asyncio.wait_for(self._events.get(), max(wait, 0.0))
+        except TimeoutError:
+            if problem is None:
+                return None
+            raise ApiError(504, problem, code="timeout") from None
+        self._started = True
+        return event
+
+    def _time_limit(self) -> tuple[float, str]:
+        """When to give up waiting for the next event, and the error to give then."""
+        config = self.gateway.config
+        deadline = self._submitted_at + config.request_timeout
+        pickup = self._submitted_at + config.pickup_timeout
+        if not self._started and pickup < deadline:
+            return pickup, f"no worker started the request within {config.pickup_timeout:g} s"
+        return deadline, f"the request did not finish within {config.request_timeout:g} s"
+
+    def _accept_delta(self, event: dict[str, Any]) -> Delta | None:
+        token_ids = list(event.get("token_ids") or [])
+        if int(event.get("offset", 0)) < self._tokens_relayed:
+            return None  # a re-run after a worker death repeating tokens already relayed
+        self._tokens_relayed += len(token_ids)
+        if self._first_token_at is None:
+            self._first_token_at = time.monotonic()
+            self.gateway.metrics.time_to_first_token.observe(self._first_token_at - self._submitted_at)
+        return Delta(text=str(event.get("text", "")), token_ids=token_ids)
+
+    def _finish(self, event: dict[str, Any]) -> Done:
+        self._finished = True
+        if event.get("finish_reason") == "cancelled":
+            raise ApiError(503, "the request was cancelled before it finished", code="cancelled")
+        usage = event.get("usage") or {}
+        done = Done(
+            finish_reason=str(event.get("finish_reason")),
+            stop_sequence=event.get("stop_sequence"),
+            usage=Usage(
+                prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                completion_tokens=int(usage.get("completion_tokens", 0)),
+                cached_tokens=int(usage.get("cached_tokens", 0)),
+            ),
+        )
+        if self._first_token_at is not None and done.usage.completion_tokens > 1:
+            per_token = (time.monotonic() - self._first_token_at) / (done.usage.completion_tokens - 1)
+            self.gateway.metrics.time_per_output_token.observe(per_token)
+        return done

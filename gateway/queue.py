@@ -1,0 +1,61 @@
+"""The request streams: enqueue (with backpressure), withdraw, cancel."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+import protocol
+
+from .errors import ApiError
+
+
+class RequestQueue:
+    def __init__(self, redis: aioredis.Redis, max_queue: int, retry_after: int):
+        self.redis = redis
+        self.max_queue = max_queue
+        self.retry_after = retry_after
+        self._streams_with_group: set[str] = set()
+
+    async def waiting(self, model: str) -> int:
+        """Requests in the model's stream that no worker has taken yet.
+
+        Workers delete finished entries, so the stream holds waiting and running work; the
+        group's pending list holds the running part.
+        """
+        stream = protocol.request_stream(model)
+        await self._ensure_group(stream)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(stream)
+        pipe.xpending(stream, protocol.REQUEST_GROUP)
+        length, pending = await pipe.execute()
+        return max(0, length - pending["pending"])
+
+    async def submit(self, request: protocol.Request) -> str:
+        """Append the request to its model's stream; returns the entry id. A full queue is a 429."""
+        if await self.waiting(request.model) >= self.max_queue:
+            raise ApiError(
+                429,
+                f"the queue for {request.model} is full ({self.max_queue} requests waiting); retry later",
+                code="overloaded",
+                retry_after=self.retry_after,
+            )
+        entry_id = await self.redis.xadd(protocol.request_stream(request.model), {"msg": request.encode()})
+        return entry_id.decode()
+
+    async def withdraw(self, request: protocol.Request, entry_id: str) -> None:
+        """Take back a request the client no longer waits for: unread, it is deleted; running, it is cancelled."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xdel(protocol.request_stream(request.model), entry_id)
+        pipe.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(request.id))
+        await pipe.execute()
+
+    async def _ensure_group(self, stream: str) -> None:
+        if stream in self._streams_with_group:
+            return
+        try:
+            await self.redis.xgroup_create(stream, protocol.REQUEST_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._streams_with_group.add(stream)

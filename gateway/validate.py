@@ -1,0 +1,112 @@
+"""Reading a JSON body and checking its fields; every problem is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from aiohttp import web
+
+import protocol
+
+from .errors import ApiError
+
+
+async def read_json_object(request: web.Request) -> dict[str, Any]:
+    if request.content_type != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, not {request.content_type!r}")
+    raw = await request.read()  # aiohttp answers 413 beyond the app's client_max_size
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def invalid(param: str, problem: str) -> ApiError:
+    return ApiError(400, f"{param}: {problem}", param=param)
+
+
+def required_str(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if value is None:
+        raise invalid(name, "is required")
+    if not isinstance(value, str):
+        raise invalid(name, "must be a string")
+    return value
+
+
+def optional_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, "must be an integer")
+    if not lo <= value <= hi:
+        raise invalid(name, f"must be between {lo} and {hi}")
+    return value
+
+
+def optional_number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(name, "must be a number")
+    if not lo <= value <= hi:
+        raise invalid(name, f"must be between {lo} and {hi}")
+    return float(value)
+
+
+def optional_bool(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise invalid(name, "must be true or false")
+    return value
+
+
+def optional_object(body: dict[str, Any], name: str) -> dict[str, Any]:
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid(name, "must be an object")
+    return value
+
+
+def string_list(value: Any, name: str) -> list[str]:
+    """A string or a list of strings (as `stop` accepts), as a list."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise invalid(name, "must be a string or a list of strings")
+    return value
+
+
+def text_content(value: Any, name: str) -> str:
+    """Message content: a string, or a list of text parts/blocks (joined by newlines)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(name, "must be a string or a list of text parts")
+    texts = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise invalid(f"{name}[{i}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def sampling_params(fields: dict[str, Any]) -> protocol.SamplingParams:
+    """The protocol's sampling parameters from the given (non-None) fields, checked by the protocol too."""
+    try:
+        return protocol.parse_sampling({key: value for key, value in fields.items() if value is not None})
+    except protocol.ProtocolError as exc:
+        raise ApiError(400, exc.message, param=exc.message.split(":")[0].removeprefix("sampling.")) from None

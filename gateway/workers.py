@@ -1,0 +1,52 @@
+"""The models live workers serve, read from their heartbeat keys."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+import protocol
+from protocol.keys import WORKER_KEY_PREFIX
+
+from .errors import ApiError
+
+log = logging.getLogger(__name__)
+
+CACHE_SECONDS = 1.0
+
+
+class ModelRegistry:
+    def __init__(self, redis: aioredis.Redis):
+        self.redis = redis
+        self._served: set[str] = set()
+        self._read_at = float("-inf")
+
+    async def heartbeats(self) -> list[protocol.Heartbeat]:
+        keys = [key async for key in self.redis.scan_iter(match=f"{WORKER_KEY_PREFIX}*", count=1000)]
+        values = await self.redis.mget(keys) if keys else []
+        beats = []
+        for key, raw in zip(keys, values):
+            if raw is None:  # expired between SCAN and MGET
+                continue
+            try:
+                beats.append(protocol.Heartbeat.decode(raw))
+            except protocol.ProtocolError as exc:
+                log.warning("ignored a malformed heartbeat in %s: %s", key, exc)
+        return beats
+
+    async def served(self, *, fresh: bool = False) -> set[str]:
+        """The models at least one live worker serves (re-read at most once a second unless `fresh`)."""
+        if fresh or time.monotonic() - self._read_at > CACHE_SECONDS:
+            self._served = {beat.model for beat in await self.heartbeats()}
+            self._read_at = time.monotonic()
+        return self._served
+
+    async def require(self, model: str) -> str:
+        """`model` itself when a live worker serves it; else a 404."""
+        if model in await self.served() or model in await self.served(fresh=True):
+            return model
+        served = ", ".join(sorted(self._served)) or "none"
+        raise ApiError(404, f"the model {model!r} does not exist or no worker serves it (served: {served})", param="model", code="model_not_found")
+
