@@ -1,0 +1,1 @@
+"""Benchmarks of the whole service: load generator, peer server, queue overhead, report."""
