@@ -6,13 +6,21 @@ already running) unless a port is asked for, and stops with its owner.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+def _terminate_with_parent() -> None:
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def find_redis_server() -> str:
@@ -70,7 +78,15 @@ class EmbeddedRedis:
             "--loglevel", "warning",
             "--logfile", str(self.log_path),
         ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        # Its own session, so a terminal's Ctrl-C reaches only us and Redis outlives the worker's
+        # drain; and on Linux it gets SIGTERM if we die without stopping it.
+        self.process = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_terminate_with_parent if sys.platform == "linux" else None,
+        )
         self._wait_ready(timeout)
         return self
 

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import pytest
 
 from engine_runs import generate, greedy
 from protocol import SamplingParams
+from reference_data import comparable_steps, load_reference
 from worker.engine import GenRequest
 from worker.model.loader import LoadedModel, load_model
 from worker.prompt import build_prompt_ids
 
-REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2-greedy.json"
-NEAR_TIE = 0.05  # the reference's own rule: tokens must agree up to the first step with a smaller top-2 margin
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not REFERENCE.exists(), reason="reference greedy ids not found"),
-]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +21,12 @@ def model() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def chats() -> list[dict]:
-    return json.loads(REFERENCE.read_text())["chat"]
+    return load_reference()["chat"]
 
 
 def reference_greedy(model: LoadedModel, max_tokens: int) -> SamplingParams:
     """Greedy with the end-of-turn tokens masked, as the reference generated (min_new_tokens)."""
     return greedy(max_tokens=max_tokens, logit_bias={token: -100.0 for token in model.stop_token_ids})
-
-
-def comparable_steps(chat: dict) -> int:
-    margins = chat["top2_margins"]
-    return next((step for step, margin in enumerate(margins) if margin < NEAR_TIE), len(margins))
 
 
 async def test_batched_greedy_output_matches_the_reference(model: LoadedModel, chats: list[dict]) -> None:

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import pytest
 import torch
 
 from paged_steps import allocate_kv, greedy
+from reference_data import comparable_steps, load_reference
 from worker.model.loader import LoadedModel, load_model
 
-REFERENCE_NAME = "smollm2-greedy.json"
-REFERENCE_DIRS = [pathlib.Path(__file__).resolve().parents[2] / "shared" / "reference", pathlib.Path("/work/shared/reference")]
-MARGIN_FLOOR = 0.05
 EOS_ID = 2  # the reference suppressed EOS (min_new_tokens) for all 32 steps
 
 # Measured greedy agreement with the float32 reference (tokens equal before the first difference, per prompt):
@@ -22,16 +17,9 @@ EOS_ID = 2  # the reference suppressed EOS (min_new_tokens) for all 32 steps
 MIN_AGREEMENT = {("bfloat16", "none"): 9, ("bfloat16", "int4"): 9, ("bfloat16", "int8"): 4}
 
 
-def _reference() -> dict:
-    for directory in REFERENCE_DIRS:
-        if (directory / REFERENCE_NAME).exists():
-            return json.loads((directory / REFERENCE_NAME).read_text())
-    pytest.skip(f"{REFERENCE_NAME} not found in {[str(d) for d in REFERENCE_DIRS]}")
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return _reference()
+    return load_reference()
 
 
 def _agreement(ids: list[int], expected: list[int]) -> int:
@@ -67,7 +55,7 @@ def test_prompts_render_and_tokenize_exactly(reference: dict, float32_model: Loa
 def test_float32_greedy_matches_until_first_small_margin(reference: dict, float32_model: LoadedModel) -> None:
     for case in reference["chat"]:
         ids = _run_chat(float32_model, case)
-        checked = next((i for i, m in enumerate(case["top2_margins"]) if m < MARGIN_FLOOR), len(ids))
+        checked = comparable_steps(case)
         assert ids[:checked] == case["greedy_ids"][:checked], case["messages"]
     assert "Paris" in float32_model.tokenizer.decode(_run_chat(float32_model, reference["chat"][0]))
 
