@@ -15,6 +15,7 @@ from .context import gateway_of
 from .errors import ApiError, anthropic_error_body
 from .generation import Delta, Done, Generation, Usage, new_request, new_request_id
 from .validate import (
+    chat_message,
     invalid,
     optional_bool,
     optional_int,
@@ -39,13 +40,7 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     parsed = []
     if body.get("system") is not None:
         parsed.append({"role": "system", "content": text_content(body["system"], "system")})
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid(f"messages.{i}", "must be an object with `role` and `content`")
-        if message.get("role") not in ROLES:
-            raise invalid(f"messages.{i}.role", f"must be one of {', '.join(ROLES)}")
-        parsed.append({"role": message["role"], "content": text_content(message.get("content"), f"messages.{i}.content")})
-    return parsed
+    return parsed + [chat_message(message, f"messages.{i}", ROLES) for i, message in enumerate(messages)]
 
 
 def parse_sampling(body: dict[str, Any]) -> protocol.SamplingParams:

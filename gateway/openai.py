@@ -18,6 +18,7 @@ from .context import Gateway, gateway_of
 from .errors import ApiError, openai_error_body
 from .generation import Delta, Done, Generation, Usage, new_request, new_request_id
 from .validate import (
+    chat_message,
     invalid,
     optional_bool,
     optional_int,
@@ -27,7 +28,6 @@ from .validate import (
     required_str,
     sampling_params,
     string_list,
-    text_content,
 )
 
 # ---------------------------------------------------------------- request bodies
@@ -75,14 +75,7 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty list of messages")
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid(f"messages[{i}]", "must be an object with `role` and `content`")
-        if message.get("role") not in ROLES:
-            raise invalid(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
-        parsed.append({"role": message["role"], "content": text_content(message.get("content"), f"messages[{i}].content")})
-    return parsed
+    return [chat_message(message, f"messages[{i}]", ROLES) for i, message in enumerate(messages)]
 
 
 def parse_prompt(body: dict[str, Any]) -> dict[str, Any]:

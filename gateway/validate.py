@@ -104,6 +104,15 @@ def text_content(value: Any, name: str) -> str:
     return "\n".join(texts)
 
 
+def chat_message(message: Any, where: str, roles: tuple[str, ...]) -> dict[str, str]:
+    """One `{role, content}` message as the protocol takes it; `where` names it in errors."""
+    if not isinstance(message, dict):
+        raise invalid(where, "must be an object with `role` and `content`")
+    if message.get("role") not in roles:
+        raise invalid(f"{where}.role", f"must be one of {', '.join(roles)}")
+    return {"role": message["role"], "content": text_content(message.get("content"), f"{where}.content")}
+
+
 def sampling_params(fields: dict[str, Any]) -> protocol.SamplingParams:
     """The protocol's sampling parameters from the given (non-None) fields, checked by the protocol too."""
     try:
