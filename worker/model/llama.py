@@ -52,9 +52,9 @@ class DecoderLayer(torch.nn.Module):
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(self.input_norm(hidden)).split((q_size, kv_size, kv_size), dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv(self.input_norm(hidden)).split((q_size + kv_size, kv_size), dim=-1)
+        qk = apply_rotary(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # one pass for q and k
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         attention = paged_attention(q, k, v, k_pool, v_pool, slots, plan)
         hidden = hidden + self.o_proj(attention.reshape(tokens, q_size))

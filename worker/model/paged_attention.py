@@ -104,8 +104,13 @@ def paged_attention(
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
     keys = k_cache[plan.key_slots].to(q.dtype).transpose(1, 2)  # [D, kv_heads, L, head_dim]
     values = v_cache[plan.key_slots].to(q.dtype).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=plan.mask, enable_gqa=True)
-    return out[:, :, 0, :]
+    decodes, heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    # Each KV head's query heads as its rows of queries (head h reads KV head h // group): the same
+    # attention as enable_gqa, but CPU SDPA is ~3x faster in bfloat16 with several queries than with one.
+    queries = q.view(decodes, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask)
+    return out.view(decodes, heads, head_dim)
 
 
 def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
