@@ -1,53 +1,45 @@
-"""Engine benchmark on the default model: decode, prefill, prefix-cache TTFT, and one decode step's breakdown.
+"""Engine benchmark on the default model, next to HF transformers' generate: decode, prefill, prefix-cache TTFT, step breakdown.
 
-    .venv/bin/python -m bench.engine --threads 2 --modes float32/none bfloat16/none float32/int8 float32/int4
+    .venv/bin/python -m bench.engine            # every weight mode that matters, 2 threads, writes the doc section
+    .venv/bin/python -m bench.engine --quick    # a smoke run: tiny token counts, nothing written to the doc
 
-Prints, per weight mode (dtype/quant): decode tok/s at batch 1 and 32, prefill tok/s of a 512-token
-prompt, time to first token of a 1,024-token prompt cold and with its first 1,000 tokens cached,
-and where the time of one decode step goes. A peer (e.g. HF transformers' generate) slots in as
-another `Figures` row: `print_table` takes any number of named rows.
+Per lmq weight mode (dtype/quant), through the real `Engine.run` fed `GenRequest`s: decode tok/s of one
+stream and aggregate over 32 streams, prefill tok/s of a 512-token prompt, time to first token of a
+1,024-token prompt cold and with its first 1,000 tokens cached, and where one decode step's time goes
+(model, attention, sampling, Python/engine overhead) at batch 1 and 32. The same decode and prefill
+figures for HF transformers' `generate` on the same GGUF, and lmq ÷ HF against the issue's targets.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
 import time
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+import worker.engine as engine_module
 import worker.model.llama as llama
+from bench import engine_report, peer_hf
+from bench.engine_report import Breakdown, Figures, Sizes
 from protocol import SamplingParams
-from worker.engine import Engine, GenRequest, SeqOutput, build_step_batch
-from worker.model.loader import LoadedModel, load_model
-from worker.sampler import sample
+from worker.engine import Engine, GenRequest, SeqOutput
+from worker.model.loader import LoadedModel, default_model_path, load_model
 
-DECODE_TOKENS = 64
-BATCH = 32
-
-
-@dataclass
-class Figures:
-    decode_1: float  # tok/s, one stream
-    decode_32: float  # aggregate tok/s, 32 streams
-    prefill_512: float  # prompt tok/s
-    ttft_cold_1024: float  # seconds
-    ttft_cached_1024: float  # seconds, first 1,000 tokens cached
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ["bfloat16/int4", "bfloat16/none", "bfloat16/int8", "float32/none"]
 
 
-@dataclass
-class StepBreakdown:
-    batch: int
-    schedule_ms: float
-    build_batch_ms: float
-    model_ms: float
-    attention_ms: float  # inside model_ms: KV writes, gathers and attention
-    sampling_ms: float
-    bookkeeping_ms: float  # scheduler completion, detokenization, stop checks
-
-
-def prompt_ids(model: LoadedModel, length: int, salt: int = 0) -> list[int]:
+def prompt_ids(model: LoadedModel, length: int, salt: int) -> list[int]:
     """`length` token ids of plain text, different per salt from the first token on."""
     text = f"Note {salt}: " + " ".join(f"the item {salt}-{i} is on the shelf." for i in range(length))
     return model.tokenizer.encode(text, add_special_tokens=False).ids[:length]
@@ -57,25 +49,110 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+@dataclasses.dataclass
+class StepRecord:
+    decode_only: bool
+    sequences: int
+    build_s: float
+    model_s: float = 0.0
+    attention_s: float = 0.0
+    sampling_s: float = 0.0
+    wall_s: float | None = None  # from the previous step's outputs to this step's
+
+
+class StepProbe:
+    """Times the parts of each step of a running engine; the loop's wall time per step comes from its outputs.
+
+    The parts run in the engine's model thread and each step's outputs arrive after them, so no lock is needed.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[StepRecord] = []
+        self._last_output: float | None = None
+        self._steps_at_last_output = 0
+
+    def install(self, engine: Engine) -> Callable[[], None]:
+        """Wrap the engine's batch building, model, sampling and the model's attention; returns the undo."""
+        originals = (engine_module.build_step_batch, engine_module.sample, llama.plan_attention, llama.paged_attention)
+        engine_module.build_step_batch = self._build(originals[0])
+        engine_module.sample = self._timed(originals[1], "sampling_s")
+        llama.plan_attention = self._timed(originals[2], "attention_s")
+        llama.paged_attention = self._timed(originals[3], "attention_s")
+        loaded = engine.model
+        engine.model = dataclasses.replace(loaded, model=self._timed(loaded.model, "model_s"))
+
+        def undo() -> None:
+            engine_module.build_step_batch, engine_module.sample, llama.plan_attention, llama.paged_attention = originals
+            engine.model = loaded
+
+        return undo
+
+    def _build(self, function):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            batch = function(*args, **kwargs)
+            self.steps.append(StepRecord(batch.is_decode_only, len(batch.query_lens), time.perf_counter() - start))
+            return batch
+
+        return timed
+
+    def _timed(self, function, part: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                record = self.steps[-1]
+                setattr(record, part, getattr(record, part) + time.perf_counter() - start)
+
+        return timed
+
+    def start_run(self) -> None:
+        self._last_output = None
+
+    def outputs_at(self, now: float) -> None:
+        """A step's outputs arrived: its wall time is known when it is the only step since the previous outputs."""
+        if self._last_output is not None and len(self.steps) == self._steps_at_last_output + 1:
+            self.steps[-1].wall_s = now - self._last_output
+        self._last_output, self._steps_at_last_output = now, len(self.steps)
+
+    def decode_steps(self, sequences: int, since: int) -> list[StepRecord]:
+        return [s for s in self.steps[since:] if s.decode_only and s.sequences == sequences and s.wall_s is not None]
+
+
+def breakdown(steps: list[StepRecord], batch: int) -> Breakdown:
+    def mean_ms(part: str) -> float:
+        return 1000 * sum(getattr(s, part) for s in steps) / len(steps)
+
+    return Breakdown(
+        batch=batch, steps=len(steps), step_ms=mean_ms("wall_s"), model_ms=mean_ms("model_s"),
+        attention_ms=mean_ms("attention_s"), sampling_ms=mean_ms("sampling_s"), build_ms=mean_ms("build_s"),
+    )  # fmt: skip
+
+
 class EngineSession:
     """One running engine (and its prefix cache) shared by several timed runs."""
 
     def __init__(self, model: LoadedModel) -> None:
         self.engine = Engine(model, on_step=self._on_step)
+        self.probe = StepProbe()
         self._times: dict[str, list[float]] = {}
         self._unfinished: set[str] = set()
         self._done = asyncio.Event()
 
     async def __aenter__(self) -> EngineSession:
+        self._undo = self.probe.install(self.engine)
         self._task = asyncio.create_task(self.engine.run())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.engine.stop()
         await self._task
+        self._undo()
 
     def _on_step(self, outputs: list[SeqOutput]) -> None:
         now = time.perf_counter()
+        self.probe.outputs_at(now)
         for output in outputs:
             self._times[output.id] += [now] * len(output.token_ids)
             if output.finish_reason:
@@ -89,139 +166,134 @@ class EngineSession:
         self._times = {request.id: [start] for request in requests}
         self._unfinished = set(self._times)
         self._done.clear()
+        self.probe.start_run()
         for request in requests:
             self.engine.add(request)
         await self._done.wait()
         return self._times
 
+    async def decode(self, prompts: list[list[int]], tokens: int) -> Breakdown:
+        """Generate `tokens` for every prompt at once; the decode steps where all of them run."""
+        since = len(self.probe.steps)
+        await self.run([GenRequest(f"d{len(prompts)}-{i}", ids, greedy(tokens)) for i, ids in enumerate(prompts)])
+        return breakdown(self.probe.decode_steps(len(prompts), since), len(prompts))
 
-async def measure(model: LoadedModel) -> Figures:
+    async def ttft(self, prompt: list[int]) -> float:
+        times = (await self.run([GenRequest("ttft", prompt, greedy(1))]))["ttft"]
+        return times[1] - times[0]
+
+
+@dataclasses.dataclass
+class Workload:
+    """The prompts, shared by lmq and HF: every one distinct from the first token on (no accidental cache hits)."""
+
+    warm_up: list[int]
+    decode: list[list[int]]  # [0] is the single stream; all of them the batch
+    prefills: list[list[int]]  # the prefill figure is the median over these
+    long_prompt: list[int]
+    cached_prompt: list[int]  # long_prompt's first `sizes.cached` tokens, then new ones
+
+    @classmethod
+    def build(cls, model: LoadedModel, sizes: Sizes) -> Workload:
+        long_prompt = prompt_ids(model, sizes.long_prompt, 3)
+        return cls(
+            warm_up=prompt_ids(model, sizes.prefill, 99),
+            decode=[prompt_ids(model, sizes.decode_prompt, 100 + i) for i in range(sizes.batch)],
+            prefills=[prompt_ids(model, sizes.prefill, salt) for salt in (2, 5, 6)],
+            long_prompt=long_prompt,
+            cached_prompt=long_prompt[: sizes.cached] + prompt_ids(model, sizes.long_prompt - sizes.cached, 4),
+        )
+
+
+async def measure(model: LoadedModel, work: Workload, sizes: Sizes) -> tuple[Figures, list[Breakdown]]:
     async with EngineSession(model) as session:
-        await session.run([GenRequest("warm-up", prompt_ids(model, 64, 99), greedy(8))])
-
-        one = (await session.run([GenRequest("d1", prompt_ids(model, 32, 1), greedy(DECODE_TOKENS))]))["d1"]
-        decode_1 = (len(one) - 2) / (one[-1] - one[1])
-
-        batch = [GenRequest(f"b{i}", prompt_ids(model, 32, 100 + i), greedy(DECODE_TOKENS)) for i in range(BATCH)]
-        many = await session.run(batch)
-        decode_start = max(s[1] for s in many.values())  # every stream has its first token: decode only from here
-        decode_end = min(s[-1] for s in many.values())
-        decoded = sum(sum(1 for t in s[2:] if decode_start < t <= decode_end) for s in many.values())
-        decode_32 = decoded / (decode_end - decode_start)
-
-        prefill = (await session.run([GenRequest("p512", prompt_ids(model, 512, 2), greedy(1))]))["p512"]
-        long_prompt = prompt_ids(model, 1024, 3)
-        cold = (await session.run([GenRequest("cold", long_prompt, greedy(1))]))["cold"]
-        cached_prompt = long_prompt[:1000] + prompt_ids(model, 24, 4)
-        cached = (await session.run([GenRequest("cached", cached_prompt, greedy(1))]))["cached"]
-    return Figures(
-        decode_1=decode_1,
-        decode_32=decode_32,
-        prefill_512=512 / (prefill[1] - prefill[0]),
-        ttft_cold_1024=cold[1] - cold[0],
-        ttft_cached_1024=cached[1] - cached[0],
+        await session.run([GenRequest("warm-up", work.warm_up, greedy(4))])
+        single = await session.decode(work.decode[:1], sizes.decode_tokens)
+        batch = await session.decode(work.decode, sizes.decode_tokens)
+        prefill = statistics.median([await session.ttft(prompt) for prompt in work.prefills])
+        cold = await session.ttft(work.long_prompt)
+        cached = await session.ttft(work.cached_prompt)
+    figures = Figures(
+        decode_1=1000 / single.step_ms,
+        decode_batch=1000 * sizes.batch / batch.step_ms,
+        prefill=sizes.prefill / prefill,
+        ttft_cold_s=cold,
+        ttft_cached_s=cached,
     )
+    return figures, [single, batch]
 
 
-class AttentionClock:
-    """Accumulates the time spent in the model's paged attention (plan + per-layer calls)."""
+def machine() -> str:
+    from bench.run_all import machine as describe
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._originals = (llama.paged_attention, llama.plan_attention)
-
-    def __enter__(self) -> AttentionClock:
-        llama.paged_attention = self._timed(self._originals[0])
-        llama.plan_attention = self._timed(self._originals[1])
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        llama.paged_attention, llama.plan_attention = self._originals
-
-    def _timed(self, function):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return timed
+    return describe()
 
 
-def decode_step_breakdown(model: LoadedModel, batch: int, steps: int = 16, context: int = 128) -> StepBreakdown:
-    """Drive the engine's parts by hand through decode steps of `batch` sequences and time each part."""
-    engine = Engine(model, on_step=lambda outputs: None)
-    for i in range(batch):
-        engine.add(GenRequest(f"s{i}", prompt_ids(model, context, 500 + i), greedy(steps + 8)))
-    engine._take_incoming()
-    while engine.scheduler.waiting or any(seq.num_pending > 1 for seq in engine.scheduler.running):
-        _one_step(engine, AttentionClock())  # prefill
-    totals = {"schedule": 0.0, "build": 0.0, "model": 0.0, "attention": 0.0, "sampling": 0.0, "bookkeeping": 0.0}
-    for _ in range(steps):
-        for name, seconds in _one_step(engine, AttentionClock()).items():
-            totals[name] += seconds
-    ms = {name: 1000 * seconds / steps for name, seconds in totals.items()}
-    return StepBreakdown(batch, ms["schedule"], ms["build"], ms["model"], ms["attention"], ms["sampling"], ms["bookkeeping"])
+def shown_command(argv: list[str]) -> str:
+    python = ".venv/bin/python" if sys.executable.startswith(str(ROOT)) else "python"
+    parts = [os.path.relpath(part, ROOT) if part.startswith(str(ROOT)) else part for part in argv]
+    return shlex.join([python, "-m", "bench.engine", *parts])
 
 
-def _one_step(engine: Engine, clock: AttentionClock) -> dict[str, float]:
-    t0 = time.perf_counter()
-    plan = engine.scheduler.schedule()
-    t1 = time.perf_counter()
-    batch = build_step_batch(plan.scheduled, engine.scheduler.page_table, engine.kv.page_size, engine.model.device)
-    t2 = time.perf_counter()
-    with torch.inference_mode(), clock:
-        logits = engine.model.model(batch, engine.kv.kv)
-    t3 = time.perf_counter()
-    samplers = [item for item in plan.scheduled if item.samples]
-    states = [engine._active[item.seq.id].sampling for item in samplers]
-    with torch.inference_mode():
-        rows = [row for row, item in enumerate(plan.scheduled) if item.samples]
-        tokens = sample(logits[rows], states)
-    t4 = time.perf_counter()
-    engine.scheduler.complete(plan)
-    for item, token in zip(samplers, tokens):
-        engine._append(engine._active[item.seq.id], token)
-    t5 = time.perf_counter()
-    return {
-        "schedule": t1 - t0, "build": t2 - t1, "model": t3 - t2, "attention": clock.seconds,
-        "sampling": t4 - t3, "bookkeeping": t5 - t4,
-    }  # fmt: skip
-
-
-def print_table(rows: dict[str, Figures]) -> None:
-    names = [f.name for f in fields(Figures)]
-    print(f"{'':24}" + "".join(f"{name:>18}" for name in names), flush=True)
-    for label, figures in rows.items():
-        print(f"{label:24}" + "".join(f"{getattr(figures, name):>18.3f}" for name in names), flush=True)
-
-
-def print_breakdown(label: str, breakdown: StepBreakdown) -> None:
-    parts = {f.name: getattr(breakdown, f.name) for f in fields(StepBreakdown) if f.name != "batch"}
-    total = sum(v for k, v in parts.items() if k != "attention_ms")
-    body = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
-    print(f"{label} decode step, batch {breakdown.batch}: {total:.2f} ms = {body}", flush=True)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--modes", nargs="+", default=["float32/int4"], help="dtype/quant pairs")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--modes", nargs="+", default=MODES, help="lmq dtype/quant pairs")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny token counts; the doc is not rewritten")
+    parser.add_argument("--skip-peer", action="store_true", help="no HF transformers run (no ratios)")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench/results/engine.json")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
+    sizes = engine_report.QUICK if args.quick else engine_report.FULL
+    load_before = os.getloadavg()[0]
+    path = args.model or default_model_path()
     rows: dict[str, Figures] = {}
+    breakdowns: dict[str, list[Breakdown]] = {}
+    work = Workload.build(load_model(str(path), dtype="float32", quant="none", device="cpu"), sizes)
+    peer_label = None
+    if not args.skip_peer:
+        peer_label = f"HF transformers {peer_hf.version()} generate, float32"
+        started = time.perf_counter()
+        rows[peer_label] = peer_hf.measure(path, sizes, work.decode, work.prefills)
+        print(engine_report.figures_table({peer_label: rows[peer_label]}, sizes), f"\n({time.perf_counter() - started:.0f} s)", flush=True)
     for mode in args.modes:
         dtype, quant = mode.split("/")
-        model = load_model(args.model, dtype=dtype, quant=quant, device=args.device)
-        rows[f"lmq {mode}"] = asyncio.run(measure(model))
-        print_table({f"lmq {mode}": rows[f"lmq {mode}"]})
-        for batch in (1, BATCH):
-            print_breakdown(f"lmq {mode}", decode_step_breakdown(model, batch))
-    print_table(rows)
+        started = time.perf_counter()
+        model = load_model(str(path), dtype=dtype, quant=quant, device="cpu")
+        label = f"lmq {mode}"
+        rows[label], breakdowns[label] = asyncio.run(measure(model, work, sizes))
+        print(engine_report.figures_table({label: rows[label]}, sizes), flush=True)
+        print(engine_report.breakdown_table({label: breakdowns[label]}), f"\n({time.perf_counter() - started:.0f} s)", flush=True)
+    print("\n" + engine_report.figures_table(rows, sizes))
+    if peer_label:
+        print("\n" + engine_report.ratio_table(rows, rows[peer_label], peer_label, sizes))
+    print("\n" + engine_report.breakdown_table(breakdowns), flush=True)
+
+    date = datetime.date.today().isoformat()
+    result = {
+        "date": date, "machine": machine(), "command": shown_command(argv), "threads": args.threads,
+        "load_before": load_before, "sizes": dataclasses.asdict(sizes), "peer": peer_label,
+        "figures": {label: dataclasses.asdict(f) for label, f in rows.items()},
+        "breakdowns": {label: [dataclasses.asdict(b) | {"overhead_ms": b.overhead_ms} for b in bs] for label, bs in breakdowns.items()},
+    }  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    if not args.quick and peer_label and breakdowns:
+        section = engine_report.render(
+            rows=rows, peer_label=peer_label, breakdowns=breakdowns, sizes=sizes, machine=result["machine"], date=date,
+            command=result["command"], load_before=load_before, threads=args.threads,
+        )  # fmt: skip
+        engine_report.write_section(args.doc, section)
+        print(f"\nwrote {args.json} and {args.doc}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -112,10 +112,10 @@ def overhead_section(report: dict) -> str:
     return "\n".join(lines)
 
 
-def replace_section(document: str, section: str) -> str:
-    """`document` with the text between the measured markers replaced (markers appended if absent)."""
-    block = f"{BEGIN}\n{section.strip()}\n{END}"
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
+def replace_section(document: str, section: str, begin: str = BEGIN, end: str = END) -> str:
+    """`document` with the text between the markers replaced (markers appended if absent)."""
+    block = f"{begin}\n{section.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
     if pattern.search(document):
         return pattern.sub(lambda _: block, document)
     return document.rstrip() + "\n\n" + block + "\n"

@@ -5,7 +5,8 @@
 
 Steps: `lmq serve` on a free port (default model, 2 threads) → bench/serve.py at each level, then the
 long-system-prompt workload shared vs unique → the same against llama.cpp's server
-(bench/peer_llamacpp.py) → bench/queue_overhead.py → JSON under bench/results/, plots and the doc.
+(bench/peer_llamacpp.py) → bench/queue_overhead.py → JSON under bench/results/, plots and the doc → bench/engine.py
+(the engine alone next to HF transformers; it writes its own section of the doc).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer-python", default=sys.executable, help="a Python with the xllamacpp wheel")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true", help="no bench/engine.py run")
     parser.add_argument("--results", type=Path, default=ROOT / "bench/results")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
     parser.add_argument("--plots", type=Path, default=ROOT / "docs", help="folder of bench-throughput.png and bench-ttft.png")
@@ -215,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     document = args.doc.read_text() if args.doc.exists() else "# Benchmarks\n"
     args.doc.write_text(report.replace_section(document, section))
     print(f"\nwrote {args.doc} and the plots in {args.plots}")
+    if not args.skip_engine:
+        command = processes.python_command("-m", "bench.engine", "--threads", str(args.threads), "--doc", str(args.doc),
+                                           *(["--quick"] if args.quick else []))  # fmt: skip
+        runner.run_json(command, "engine.json")
     return 0
 
 
