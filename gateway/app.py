@@ -6,13 +6,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import protocol
+from protocol.redis_client import connect
 
 from . import anthropic, openai, status
 from .auth import auth_middleware, load_api_keys
@@ -46,7 +46,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def create_app(config: GatewayConfig) -> web.Application:
-    redis = aioredis.Redis.from_url(config.redis_url)
+    redis = connect(config.redis_url)
     gateway = Gateway(
         config=config,
         redis=redis,

@@ -19,7 +19,17 @@ import redis.asyncio as aioredis
 import torch
 from redis.exceptions import RedisError
 
-from protocol import CANCEL_CHANNEL, Heartbeat, ProtocolError, Request, decode_cancel, decode_request, progress_key, request_stream
+from protocol import (
+    CANCEL_CHANNEL,
+    Heartbeat,
+    ProtocolError,
+    Request,
+    decode_cancel,
+    decode_request,
+    progress_key,
+    request_stream,
+)
+from protocol.redis_client import connect
 from worker.claims import Entry, RequestStream
 from worker.config import WorkerConfig
 from worker.engine import Engine, GenRequest, SeqOutput
@@ -55,7 +65,7 @@ async def run_worker(config: WorkerConfig, *, model: LoadedModel | None = None, 
         torch.set_num_threads(config.threads)
     if model is None:
         model = await asyncio.to_thread(load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device)
-    redis = aioredis.Redis.from_url(config.redis_url)
+    redis = connect(config.redis_url)
     try:
         await Worker(config, model, redis).run(stop)
     finally:
