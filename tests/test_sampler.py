@@ -61,6 +61,28 @@ def test_seeded_draws_do_not_depend_on_the_batch() -> None:
     assert len(set(alone)) > 1  # really sampling, not a constant
 
 
+def test_seeded_draws_do_not_depend_on_the_top_k_of_other_rows() -> None:
+    # The batch orders as many candidates as its widest top-k (or the whole vocabulary):
+    # a seeded row must still draw the same tokens.
+    logits = random_logits(3, seed=2)
+    params = dict(temperature=2.0, top_k=10, top_p=1.0, min_p=0.0, seed=77)
+    seeded_alone = state(**params)
+    alone = [sample(logits[1:2].clone(), [seeded_alone])[0] for _ in range(8)]
+    for other_top_k in (0, 30):
+        seeded = state(**params)
+        others = [state(temperature=1.0, top_k=other_top_k), state(temperature=1.0, top_k=other_top_k)]
+        in_batch = [sample(logits.clone(), [others[0], seeded, others[1]])[1] for _ in range(8)]
+        assert in_batch == alone, other_top_k
+    assert len(set(alone)) > 1
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_best() -> None:
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, 3], logits[0, 4], logits[0, 5] = 2.0, 1.0, -1.0  # p relative to the best: 1, 0.37, 0.05
+    drawn = {sample(logits.clone(), [state(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2)])[0] for _ in range(200)}
+    assert drawn == {3, 4}
+
+
 def test_logit_bias_can_force_and_forbid_tokens() -> None:
     logits = random_logits(2)
     forced = state(temperature=0, logit_bias={13: 100.0})

@@ -85,34 +85,38 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> list[int]:
 
 
 def _draw(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Sample among each row's best candidates only: a partial sort of the vocabulary, not a full one."""
     device = logits.device
     params = [state.params for state in states]
+    vocab = logits.shape[-1]
+    widths = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    logits = _filter(logits / temperature[:, None], params)
-    probs = logits.softmax(dim=-1)
-    # Exponential race (Gumbel-max): argmax(p / Exp(1)) is a draw from p, one generator per row.
+    scaled = logits / temperature[:, None]
+    if max(widths) < vocab:
+        candidates, order = scaled.topk(max(widths), dim=-1)  # best first
+    else:  # some row has no top-k: it needs the whole vocabulary ordered
+        candidates, order = scaled.sort(dim=-1, descending=True, stable=True)
+    probs = _filter(candidates, params, widths).softmax(dim=-1)
+    # Exponential race (Gumbel-max): argmax(p / Exp(1)) is a draw from p. A seeded row draws its
+    # noise for its own candidates from its own generator, so its tokens do not depend on the batch.
     noise = torch.empty_like(probs).exponential_()
     for row, state in enumerate(states):
         if state.generator is not None:
-            noise[row].exponential_(generator=state.generator)
-    return (probs / noise).argmax(dim=-1)
+            noise[row, : widths[row]].exponential_(generator=state.generator)
+    choice = (probs / noise).argmax(dim=-1, keepdim=True)
+    return order.gather(-1, choice).squeeze(-1)
 
 
-def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask tokens outside each row's top-k, top-p nucleus and min-p floor with -inf."""
-    device = logits.device
-    vocab = logits.shape[-1]
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+def _filter(candidates: torch.Tensor, params: list[SamplingParams], widths: list[int]) -> torch.Tensor:
+    """Mask candidates (each row sorted, best first) outside its top-k, top-p nucleus and min-p floor."""
+    device = candidates.device
+    drop = torch.arange(candidates.shape[-1], device=device)[None, :] >= torch.tensor(widths, device=device)[:, None]
+    if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        ordered, order = logits.sort(dim=-1, descending=True, stable=True)
-        drop = torch.arange(vocab, device=device)[None, :] >= top_k[:, None]
-        probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        probs = candidates.masked_fill(drop, float("-inf")).softmax(dim=-1)
         drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]  # the first token always stays
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
     if any(p.min_p > 0 for p in params):
+        # p < min_p * p_max  <=>  logit < best logit + log(min_p): no normalization needed.
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-        probs = logits.softmax(dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    return logits
+        drop |= candidates < candidates[:, :1] + min_p.log()[:, None]
+    return candidates.masked_fill(drop, float("-inf"))
