@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class GatewayConfig:
-    redis_url: str = field(default="redis://localhost:6379/0", metadata={"help": "Redis to enqueue requests into (env REDIS_URL)", "env": "REDIS_URL"})
+    redis_url: str = field(default="redis://localhost:6379/0", metadata={"help": "Redis to enqueue requests into", "env": "REDIS_URL"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = field(default=8000, metadata={"help": "port to listen on (env PORT)", "env": "PORT"})
+    port: int = field(default=8000, metadata={"help": "port to listen on", "env": "PORT"})
     api_keys: str = field(default="", metadata={"help": "comma-separated API keys; empty = no auth"})
     api_keys_file: str = field(default="", metadata={"help": "file with one API key a line"})
     max_queue: int = field(default=256, metadata={"help": "waiting requests per model stream above which new ones get 429"})

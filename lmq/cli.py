@@ -34,22 +34,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        gateway_config = build(GatewayConfig, args) if args.command in ("serve", "gateway") else None
+        worker_config = build(WorkerConfig, args) if args.command in ("serve", "worker") else None
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         if args.command == "serve":
             from .serve import serve
 
-            return serve(build(GatewayConfig, args), build(WorkerConfig, args), redis_url_given=_redis_url_given(args))
+            return serve(gateway_config, worker_config, redis_url_given=_redis_url_given(args))
         if args.command == "gateway":
             from gateway.app import run_gateway
 
-            asyncio.run(_until_signal(run_gateway(build(GatewayConfig, args))))
+            asyncio.run(_until_signal(run_gateway(gateway_config)))
         elif args.command == "worker":
             from worker.service import run_worker
 
-            asyncio.run(run_worker(build(WorkerConfig, args)))
+            asyncio.run(run_worker(worker_config))
     except KeyboardInterrupt:
         pass
     return 0

@@ -49,6 +49,13 @@ def add_flags(parser: argparse.ArgumentParser, settings_class: type, skip: set[s
         group.add_argument(flag_name(field), dest=field.name, type=_parser_for(field), default=None, help=help_text)
 
 
+def _from_environment(field: dataclasses.Field, text: str) -> Any:
+    try:
+        return _parser_for(field)(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise ValueError(f"{env_name(field)}={text!r} is not a valid {field.type}") from None
+
+
 def build(settings_class: type[T], args: argparse.Namespace, environ: dict[str, str] | None = None) -> T:
     """Instantiate `settings_class` from flags, then environment, then defaults."""
     environ = os.environ if environ is None else environ
@@ -58,5 +65,5 @@ def build(settings_class: type[T], args: argparse.Namespace, environ: dict[str, 
         if given is not None:
             values[field.name] = given
         elif env_name(field) in environ:
-            values[field.name] = _parser_for(field)(environ[env_name(field)])
+            values[field.name] = _from_environment(field, environ[env_name(field)])
     return settings_class(**values)

@@ -13,7 +13,7 @@ def _default_worker_id() -> str:
 
 @dataclass
 class WorkerConfig:
-    redis_url: str = field(default="redis://localhost:6379/0", metadata={"help": "Redis to read requests from (env REDIS_URL)", "env": "REDIS_URL"})
+    redis_url: str = field(default="redis://localhost:6379/0", metadata={"help": "Redis to read requests from", "env": "REDIS_URL"})
     model: str = field(default="", metadata={"help": "GGUF file or Hugging Face model directory; empty = the default SmolLM2-135M-Instruct"})
     model_name: str = field(default="", metadata={"help": "name clients use in `model`; empty = derived from the model file"})
     dtype: str = field(default="auto", metadata={"help": "compute dtype: auto, float32, bfloat16, float16"})
