@@ -33,6 +33,7 @@ from bench import engine_report, peer_hf
 from bench.engine_report import Breakdown, Figures, Sizes
 from protocol import SamplingParams
 from worker.engine import Engine, GenRequest, SeqOutput
+from worker import compute_thread
 from worker.model.loader import LoadedModel, default_model_path, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,23 +251,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)  # the torch thread (worker/compute_thread.py) takes this count
     sizes = engine_report.QUICK if args.quick else engine_report.FULL
     load_before = os.getloadavg()[0]
     path = args.model or default_model_path()
     rows: dict[str, Figures] = {}
     breakdowns: dict[str, list[Breakdown]] = {}
-    work = Workload.build(load_model(str(path), dtype="float32", quant="none", device="cpu"), sizes)
+    work = Workload.build(compute_thread.run(load_model, str(path), dtype="float32", quant="none", device="cpu"), sizes)
     peer_label = None
     if not args.skip_peer:
         peer_label = f"HF transformers {peer_hf.version()} generate, float32"
         started = time.perf_counter()
-        rows[peer_label] = peer_hf.measure(path, sizes, work.decode, work.prefills)
+        rows[peer_label] = compute_thread.run(peer_hf.measure, path, sizes, work.decode, work.prefills)
         print(engine_report.figures_table({peer_label: rows[peer_label]}, sizes), f"\n({time.perf_counter() - started:.0f} s)", flush=True)
     for mode in args.modes:
         dtype, quant = mode.split("/")
         started = time.perf_counter()
-        model = load_model(str(path), dtype=dtype, quant=quant, device="cpu")
+        model = compute_thread.run(load_model, str(path), dtype=dtype, quant=quant, device="cpu")
         label = f"lmq {mode}"
         rows[label], breakdowns[label] = asyncio.run(measure(model, work, sizes))
         print(engine_report.figures_table({label: rows[label]}, sizes), flush=True)

@@ -1,8 +1,8 @@
 """The engine: an asyncio loop of continuous batching over the paged KV cache.
 
 One task (`run`) owns all state. Requests and cancellations arrive through `add` and `cancel`
-and take effect between steps. Each step: schedule → model forward and sampling in the one
-executor thread (so the event loop keeps doing Redis I/O) → detokenize, check stops → report
+and take effect between steps. Each step: schedule → model forward and sampling on the one
+torch thread (worker/compute_thread.py, so the event loop keeps doing Redis I/O) → detokenize, check stops → report
 every sequence's output through `on_step`.
 """
 
@@ -12,12 +12,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from protocol import SamplingParams
+from worker import compute_thread
 from worker.batch import StepBatch
 from worker.detok import IncrementalDetokenizer, StopStrings
 from worker.kv_cache import KVCache, default_kv_budget, page_bytes
@@ -120,10 +120,9 @@ class Engine:
     ) -> None:
         self.model = model
         self.max_context = model.config.max_context
-        self.kv = _make_kv_cache(model, kv_memory_bytes, page_size, max_seqs)
+        self.kv = compute_thread.run(_make_kv_cache, model, kv_memory_bytes, page_size, max_seqs)
         self.scheduler = Scheduler(self.kv, max_seqs=max_seqs, step_tokens=step_tokens, max_context=self.max_context)
         self._on_step = on_step
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmq-model")
         self._wake = asyncio.Event()
         self._incoming: list[GenRequest] = []
         self._cancels: list[str] = []
@@ -180,24 +179,20 @@ class Engine:
         )
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                outputs = self._take_incoming() + self._take_cancels()
-                if self.scheduler.has_work():
-                    plan = self.scheduler.schedule()
-                    if plan.scheduled:
-                        outputs += await self._step(loop, plan)
-                if outputs:
-                    self._on_step(outputs)
-                if self.scheduler.has_work() or self._incoming or self._cancels:
-                    continue
-                if self._stopping:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-        finally:
-            self._executor.shutdown(wait=False)
+        while True:
+            outputs = self._take_incoming() + self._take_cancels()
+            if self.scheduler.has_work():
+                plan = self.scheduler.schedule()
+                if plan.scheduled:
+                    outputs += await self._step(plan)
+            if outputs:
+                self._on_step(outputs)
+            if self.scheduler.has_work() or self._incoming or self._cancels:
+                continue
+            if self._stopping:
+                return
+            self._wake.clear()
+            await self._wake.wait()
 
     # ------------------------------------------------------------ between steps
 
@@ -270,12 +265,12 @@ class Engine:
 
     # ------------------------------------------------------------ one step
 
-    async def _step(self, loop: asyncio.AbstractEventLoop, plan: StepPlan) -> list[SeqOutput]:
+    async def _step(self, plan: StepPlan) -> list[SeqOutput]:
         samplers = [item for item in plan.scheduled if item.samples]
         states = [self._active[item.seq.id].sampling for item in samplers]
         started = time.perf_counter()
         try:
-            tokens = await loop.run_in_executor(self._executor, self._compute, plan.scheduled, states)
+            tokens = await compute_thread.run_async(self._compute, plan.scheduled, states)
         except Exception as error:  # a failed step fails its sequences, never the worker
             log.exception("engine step failed")
             return self._fail(plan, error)

@@ -30,6 +30,7 @@ from protocol import (
     request_stream,
 )
 from protocol.redis_client import connect
+from worker import compute_thread
 from worker.claims import Entry, RequestStream
 from worker.config import WorkerConfig
 from worker.engine import Engine, GenRequest, SeqOutput
@@ -64,7 +65,7 @@ async def run_worker(config: WorkerConfig, *, model: LoadedModel | None = None, 
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     if model is None:
-        model = await asyncio.to_thread(load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device)
+        model = await compute_thread.run_async(load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device)
     redis = connect(config.redis_url)
     try:
         await Worker(config, model, redis).run(stop)
