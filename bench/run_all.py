@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: levels 1,4, few requests, small prefix")
     parser.add_argument("--levels", default="1,4,16,64")
-    parser.add_argument("--requests", type=int, default=64, help="requests per level")
+    parser.add_argument("--requests", type=int, default=32, help="requests per level")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prefix-tokens", type=int, default=1000, help="length of the long system prompt")
     parser.add_argument("--prefix-levels", default="1,4,16")
