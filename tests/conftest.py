@@ -1,11 +1,16 @@
-"""Shared fixtures: a real Redis server for the whole session, and a clean database per test."""
+"""Shared fixtures: a real Redis server for the whole session, a clean database per test, and the
+tiny random-weight model that most tests run."""
 
 from __future__ import annotations
+
+import pathlib
 
 import pytest
 import redis.asyncio as aioredis
 
 from lmq.redis_server import EmbeddedRedis
+from tiny_model import make_tiny_model
+from worker.model.loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +33,15 @@ async def redis_client(redis_url: str):
     client = aioredis.Redis.from_url(redis_url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """An HF-style directory of a tiny Llama model with random weights (tests/tiny_model.py)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir: pathlib.Path) -> LoadedModel:
+    """The tiny model, loaded in float32."""
+    return load_model(str(tiny_model_dir), dtype="float32", quant="none", device="cpu")

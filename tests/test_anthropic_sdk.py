@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import pathlib
 
 import anthropic
 import pytest
 from gateway_support import REAL_MODEL, real_worker, running_gateway
-from tiny_model import make_tiny_model
 
-from worker.model.loader import load_model
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "ignore_eos": True}  # passed as extra_body, as current SDKs require
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
-    return load_model(str(directory), dtype="float32", quant="none", device="cpu")
 
 
 @pytest.fixture

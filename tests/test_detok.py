@@ -9,14 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from tiny_model import VOCAB, make_tiny_model
+from tiny_model import VOCAB
 from worker.detok import IncrementalDetokenizer, StopStrings
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    directory = make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
-    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+def tokenizer(tiny_model_dir: pathlib.Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
 
 
 def stream(tokenizer: Tokenizer, prompt: list[int], generated: list[int]) -> list[str]:

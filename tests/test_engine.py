@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import pathlib
 
 import pytest
 
 from engine_runs import generate, greedy
 from protocol import SamplingParams
-from tiny_model import make_tiny_model
 from worker.engine import Engine, GenRequest, PromptTooLong
 from worker.kv_cache import page_bytes
-from worker.model.loader import LoadedModel, load_model
+from worker.model.loader import LoadedModel
 
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    directory = make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
-    return load_model(str(directory), dtype="float32", quant="none", device="cpu")
+def model(tiny: LoadedModel) -> LoadedModel:
+    return tiny
 
 
 def prompt(model: LoadedModel, text: str) -> list[int]:

@@ -7,26 +7,24 @@ cancelled produced the same greedy tokens as in an unconstrained run.
 from __future__ import annotations
 
 import asyncio
-import pathlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_runs import generate, greedy
-from tiny_model import VOCAB, make_tiny_model
+from tiny_model import VOCAB
 from worker.engine import Engine, GenRequest
 from worker.kv_cache import page_bytes
-from worker.model.loader import LoadedModel, load_model
+from worker.model.loader import LoadedModel
 
 PAGE = 4
 SHARED_PREFIX = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    directory = make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
-    return load_model(str(directory), dtype="float32", quant="none", device="cpu")
+def model(tiny: LoadedModel) -> LoadedModel:
+    return tiny
 
 
 request_spec = st.fixed_dictionaries(

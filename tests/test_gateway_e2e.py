@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import pathlib
 
 import aiohttp
 import openai
-import pytest
 from gateway_support import REAL_MODEL, real_worker, running_gateway
-from tiny_model import make_tiny_model
 from worker_process import SlowModel
 
-from worker.model.loader import load_model
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
-    return load_model(str(directory), dtype="float32", quant="none", device="cpu")
 
 
 def finished(worker, outcome: str) -> float:

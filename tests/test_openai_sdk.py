@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import pathlib
 
 import openai
 import pytest
 from gateway_support import REAL_MODEL, real_worker, running_gateway
-from tiny_model import make_tiny_model
 
-from worker.model.loader import load_model
 
 MESSAGES = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
-    return load_model(str(directory), dtype="float32", quant="none", device="cpu")
 
 
 @pytest.fixture

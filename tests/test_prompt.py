@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import pathlib
 
 import pytest
 
-from tiny_model import make_tiny_model
-from worker.model.loader import LoadedModel, load_model
+from worker.model.loader import LoadedModel
 from worker.prompt import PromptTooLong, build_prompt_ids
 
 CONTEXT = 256  # the tiny model's max_position_embeddings
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    directory = make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
-    return load_model(str(directory), dtype="float32", quant="none", device="cpu")
+def model(tiny: LoadedModel) -> LoadedModel:
+    return tiny
 
 
 def decode(model: LoadedModel, ids: list[int]) -> str:

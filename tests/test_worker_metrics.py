@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import urllib.request
 
-import pytest
-from tiny_model import make_tiny_model
 from worker_helpers import chat_request, enqueue, final_events, running_worker, worker_config
 
 from lmq.redis_server import free_tcp_port
-from worker.model.loader import load_model
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_model(str(make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))), dtype="float32", quant="none", device="cpu")
 
 
 def _scrape(port: int) -> dict[str, float]:

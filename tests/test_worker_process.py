@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-from tiny_model import make_tiny_model
 from worker_helpers import STREAM, chat_request, enqueue, final_events, reply_events, running_worker, streamed_tokens, wait_for, worker_config
 
 import protocol
@@ -20,17 +19,12 @@ from worker.model.loader import load_model
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> pathlib.Path:
-    return make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
-
-
 @pytest.fixture
-async def start_process(tiny_dir, redis_url, redis_client):
+async def start_process(tiny_model_dir, redis_url, redis_client):
     processes: list[subprocess.Popen] = []
 
     async def start(worker_id: str, step_seconds: float) -> subprocess.Popen:
-        command = [sys.executable, str(REPO / "tests" / "worker_process.py"), str(tiny_dir), redis_url, worker_id, str(step_seconds)]
+        command = [sys.executable, str(REPO / "tests" / "worker_process.py"), str(tiny_model_dir), redis_url, worker_id, str(step_seconds)]
         process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE)
         processes.append(process)
         await wait_for(lambda: redis_client.exists(protocol.worker_key(worker_id)), what=f"worker {worker_id} to start")
@@ -52,7 +46,7 @@ async def _deltas(redis, reply_key: str, at_least: int) -> list[dict]:
     return await wait_for(enough, what=f"{at_least} events on {reply_key}")
 
 
-async def test_a_killed_workers_request_completes_coherently_on_another(tiny_dir, start_process, redis_url, redis_client):
+async def test_a_killed_workers_request_completes_coherently_on_another(tiny_model_dir, start_process, redis_url, redis_client):
     doomed = await start_process("doomed", step_seconds=0.05)
     await enqueue(redis_client, chat_request("victim", max_tokens=40))
     await _deltas(redis_client, "out:victim", at_least=3)
@@ -61,7 +55,7 @@ async def test_a_killed_workers_request_completes_coherently_on_another(tiny_dir
     streamed_before_death = len(await redis_client.lrange(progress_key("victim"), 0, -1))
     assert 0 < streamed_before_death < 40
 
-    tiny = load_model(str(tiny_dir), dtype="float32", quant="none", device="cpu")
+    tiny = load_model(str(tiny_model_dir), dtype="float32", quant="none", device="cpu")
     async with running_worker(worker_config(redis_url, "survivor", claim_idle_ms=600), tiny):
         events = await final_events(redis_client, "out:victim")
         await enqueue(redis_client, chat_request("clean", max_tokens=40))

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import subprocess
 
-import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from tiny_model import make_tiny_model
 from worker_process import SlowModel
 from worker_helpers import (
     STREAM,
@@ -27,14 +24,9 @@ import protocol
 from lmq.redis_server import find_redis_server, free_tcp_port
 from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, progress_key
 from worker.claims import RequestStream
-from worker.model.loader import load_model
 from worker.stub_model import stub_model
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))
-    return load_model(str(directory), dtype="float32", quant="none", device="cpu")
 
 
 async def test_a_request_streams_deltas_then_done_and_leaves_nothing_behind(tiny, redis_url, redis_client):
