@@ -109,8 +109,10 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-class ChatShape:
-    """Bodies of /v1/chat/completions: one `chat.completion`, or `chat.completion.chunk`s."""
+class _Shape:
+    """What both endpoints' bodies share: id, created and model on every chunk, and usage only when asked."""
+
+    chunk_object: str  # the `object` of a streamed chunk
 
     def __init__(self, request_id: str, model: str, include_usage: bool = False):
         self.id = request_id
@@ -118,41 +120,47 @@ class ChatShape:
         self.created = int(time.time())
         self.include_usage = include_usage
 
-    def complete(self, text: str, done: Done) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None, "finish_reason": done.finish_reason}
-        return self._envelope("chat.completion", [choice]) | {"usage": usage_body(done.usage)}
-
-    def first_chunk(self) -> dict[str, Any]:
-        return self._chunk({"role": "assistant", "content": ""}, None)
-
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text}, None)
-
-    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk({}, finish_reason)
-
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return self._envelope("chat.completion.chunk", []) | {"usage": usage_body(usage)}
+        return self._envelope(self.chunk_object, []) | {"usage": usage_body(usage)}
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        chunk = self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._envelope(self.chunk_object, [choice])
         return chunk | {"usage": None} if self.include_usage else chunk
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
 
 
-class CompletionShape:
-    """Bodies of the legacy /v1/completions: `text_completion` objects, whole or in chunks."""
+class ChatShape(_Shape):
+    """Bodies of /v1/chat/completions: one `chat.completion`, or `chat.completion.chunk`s."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool = False):
-        self.id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.include_usage = include_usage
+    chunk_object = "chat.completion.chunk"
 
     def complete(self, text: str, done: Done) -> dict[str, Any]:
-        return self._envelope([self._choice(text, done.finish_reason)]) | {"usage": usage_body(done.usage)}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None, "finish_reason": done.finish_reason}
+        return self._envelope("chat.completion", [choice]) | {"usage": usage_body(done.usage)}
+
+    def first_chunk(self) -> dict[str, Any]:
+        return self._chunk(self._delta({"role": "assistant", "content": ""}, None))
+
+    def text_chunk(self, text: str) -> dict[str, Any]:
+        return self._chunk(self._delta({"content": text}, None))
+
+    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
+        return self._chunk(self._delta({}, finish_reason))
+
+    @staticmethod
+    def _delta(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+class CompletionShape(_Shape):
+    """Bodies of the legacy /v1/completions: `text_completion` objects, whole or in chunks."""
+
+    chunk_object = "text_completion"
+
+    def complete(self, text: str, done: Done) -> dict[str, Any]:
+        return self._envelope("text_completion", [self._choice(text, done.finish_reason)]) | {"usage": usage_body(done.usage)}
 
     def first_chunk(self) -> None:
         return None  # legacy chunks carry no role
@@ -163,18 +171,9 @@ class CompletionShape:
     def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk(self._choice("", finish_reason))
 
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return self._envelope([]) | {"usage": usage_body(usage)}
-
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    @staticmethod
+    def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk = self._envelope([choice])
-        return chunk | {"usage": None} if self.include_usage else chunk
-
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
 
 
 # ---------------------------------------------------------------- handlers
