@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import suppress
 from typing import Any
 
 from aiohttp import web
@@ -12,7 +11,7 @@ from protocol.messages import MAX_TOKENS_LIMIT
 
 from . import sse
 from .context import gateway_of
-from .errors import ApiError, anthropic_error_body
+from .errors import anthropic_error_body
 from .generation import Delta, Done, Generation, Usage, new_request, new_request_id
 from .validate import (
     chat_message,
@@ -107,14 +106,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
         if not stream:
             text, done = await generation.result()
             return web.json_response(message_body(work.id, model, [{"type": "text", "text": text}], done))
-        response = await sse.open_stream(request)
-        with suppress(ConnectionResetError):  # the client left: leaving the block withdraws the request
-            try:
-                await relay(response, generation, work, gateway.config.keepalive_seconds)
-            except ApiError as error:  # the stream is open: the error goes inside it
-                gateway.metrics.errors.labels(error.label).inc()
-                await sse.send(response, anthropic_error_body(error), event="error")
-        return response
+        keepalive = gateway.config.keepalive_seconds
+        return await sse.relay_in_stream(
+            request, lambda response: relay(response, generation, work, keepalive), anthropic_error_body, gateway.metrics.errors, "error"
+        )
 
 
 async def relay(response: web.StreamResponse, generation: Generation, work: protocol.Request, keepalive: float) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +14,7 @@ from protocol.messages import MAX_TOKENS_LIMIT, ROLES
 from . import sse
 from .config import GatewayConfig
 from .context import Gateway, gateway_of
-from .errors import ApiError, openai_error_body
+from .errors import openai_error_body
 from .generation import Delta, Done, Generation, Usage, new_request, new_request_id
 from .validate import (
     chat_message,
@@ -205,14 +204,10 @@ async def answer(request: web.Request, gateway: Gateway, work: protocol.Request,
         if not stream:
             text, done = await generation.result()
             return web.json_response(shape.complete(text, done))
-        response = await sse.open_stream(request)
-        with suppress(ConnectionResetError):  # the client left: leaving the block withdraws the request
-            try:
-                await relay(response, generation, shape, gateway.config.keepalive_seconds)
-            except ApiError as error:  # the stream is open: the error goes inside it
-                gateway.metrics.errors.labels(error.label).inc()
-                await sse.send(response, openai_error_body(error))
-        return response
+        keepalive = gateway.config.keepalive_seconds
+        return await sse.relay_in_stream(
+            request, lambda response: relay(response, generation, shape, keepalive), openai_error_body, gateway.metrics.errors
+        )
 
 
 async def relay(response: web.StreamResponse, generation: Generation, shape: ChatShape | CompletionShape, keepalive: float) -> None:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import Counter
+
+from .errors import ApiError
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:
@@ -29,3 +34,23 @@ async def send(response: web.StreamResponse, data: dict[str, Any] | str, event: 
 async def send_comment(response: web.StreamResponse, text: str) -> None:
     """A comment line: SSE clients ignore it; it keeps proxies from timing out an idle stream."""
     await response.write(f": {text}\n\n".encode())
+
+
+async def relay_in_stream(
+    request: web.Request,
+    relay: Callable[[web.StreamResponse], Awaitable[None]],
+    error_body: Callable[[ApiError], dict[str, Any]],
+    errors: Counter,
+    error_event: str | None = None,
+) -> web.StreamResponse:
+    """Open the stream and run `relay` in it. Once the stream is open an error goes inside it, in
+    the API's own shape; a client that left ends it quietly (leaving the Generation block then
+    withdraws the request)."""
+    response = await open_stream(request)
+    with suppress(ConnectionResetError):
+        try:
+            await relay(response)
+        except ApiError as error:
+            errors.labels(error.label).inc()
+            await send(response, error_body(error), event=error_event)
+    return response
