@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import protocol
@@ -41,6 +42,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except (RedisConnectionError, RedisTimeoutError) as exc:
         log.warning("redis unavailable: %s", exc)
         failure = ApiError(503, "the request queue is unavailable; retry later", code="unavailable")
+    except RedisError as exc:
+        log.error("redis refused a command: %s", exc)
+        failure = ApiError(503, "the request queue refused the request; retry later", code="unavailable")
     request.app[GATEWAY].metrics.errors.labels(failure.label).inc()
     return error_response(api_of(request), failure)
 

@@ -34,6 +34,7 @@ WORKER_ERROR_STATUS = {
     "prompt_too_long": 400,
     "timeout": 504,
     "shutting_down": 503,
+    "unavailable": 503,  # the gateway lost events (protocol.ERROR_CODES has no such code: see replies.py)
 }
 
 

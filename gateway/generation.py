@@ -125,19 +125,23 @@ class Generation:
 
     async def _next_event(self, keepalive: float | None) -> dict[str, Any] | None:
         assert self._events is not None
-        limit, problem = self._time_limit()
-        wait = limit - time.monotonic()
-        if keepalive is not None and keepalive < wait:
-            wait = keepalive
-            problem = None
-        try:
-            event = await asyncio.wait_for(self._events.get(), max(wait, 0.0))
-        except TimeoutError:
-            if problem is None:
-                return None
-            raise ApiError(504, problem, code="timeout") from None
-        self._started = True
-        return event
+        while True:
+            limit, problem = self._time_limit()
+            wait = limit - time.monotonic()
+            if keepalive is not None and keepalive < wait:
+                wait = keepalive
+                problem = None
+            try:
+                event = await asyncio.wait_for(self._events.get(), max(wait, 0.0))
+            except TimeoutError:
+                if problem is None:
+                    return None
+                if not self._started and await self.gateway.queue.taken(self.request, self._entry_id):
+                    self._started = True  # a worker holds it, busy with other prompts: wait for the deadline
+                    continue
+                raise ApiError(504, problem, code="timeout") from None
+            self._started = True
+            return event
 
     def _time_limit(self) -> tuple[float, str]:
         """When to give up waiting for the next event, and the error to give then."""
@@ -150,8 +154,11 @@ class Generation:
 
     def _accept_delta(self, event: dict[str, Any]) -> Delta | None:
         token_ids = list(event.get("token_ids") or [])
-        if int(event.get("offset", 0)) < self._tokens_relayed:
+        offset = int(event.get("offset", 0))
+        if offset < self._tokens_relayed:
             return None  # a re-run after a worker death repeating tokens already relayed
+        if offset > self._tokens_relayed:
+            raise _lost(offset - self._tokens_relayed)
         self._tokens_relayed += len(token_ids)
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()
@@ -163,12 +170,15 @@ class Generation:
         if event.get("finish_reason") == "cancelled":
             raise ApiError(503, "the request was cancelled before it finished", code="cancelled")
         usage = event.get("usage") or {}
+        completion_tokens = int(usage.get("completion_tokens", 0))
+        if completion_tokens > self._tokens_relayed:
+            raise _lost(completion_tokens - self._tokens_relayed)
         done = Done(
             finish_reason=str(event.get("finish_reason")),
             stop_sequence=event.get("stop_sequence"),
             usage=Usage(
                 prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                completion_tokens=int(usage.get("completion_tokens", 0)),
+                completion_tokens=completion_tokens,
                 cached_tokens=int(usage.get("cached_tokens", 0)),
             ),
         )
@@ -176,3 +186,8 @@ class Generation:
             per_token = (time.monotonic() - self._first_token_at) / (done.usage.completion_tokens - 1)
             self.gateway.metrics.time_per_output_token.observe(per_token)
         return done
+
+
+def _lost(tokens: int) -> ApiError:
+    """Never relay an answer with a hole in it (events were lost between the worker and us)."""
+    return ApiError(503, f"{tokens} tokens of the answer were lost on the way from the worker; retry", code="unavailable")

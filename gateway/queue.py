@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 import protocol
 
 from .errors import ApiError
+
+log = logging.getLogger(__name__)
 
 
 class RequestQueue:
@@ -28,7 +32,14 @@ class RequestQueue:
         pipe = self.redis.pipeline(transaction=False)
         pipe.xlen(stream)
         pipe.xpending(stream, protocol.REQUEST_GROUP)
-        length, pending = await pipe.execute()
+        try:
+            length, pending = await pipe.execute()
+        except ResponseError as exc:
+            if not str(exc).startswith("NOGROUP"):
+                raise
+            self._streams_with_group.discard(stream)  # lost with Redis's data: create it again
+            await self._ensure_group(stream)
+            return await self.redis.xlen(stream)
         return max(0, length - pending["pending"])
 
     async def submit(self, request: protocol.Request) -> str:
@@ -43,12 +54,24 @@ class RequestQueue:
         entry_id = await self.redis.xadd(protocol.request_stream(request.model), {"msg": request.encode()})
         return entry_id.decode()
 
+    async def taken(self, request: protocol.Request, entry_id: str) -> bool:
+        """Whether a worker has read the request (it is pending in the group)."""
+        stream = protocol.request_stream(request.model)
+        try:
+            return bool(await self.redis.xpending_range(stream, protocol.REQUEST_GROUP, min=entry_id, max=entry_id, count=1))
+        except RedisError as exc:
+            log.warning("could not tell whether %s was taken: %s", request.id, exc)
+            return False
+
     async def withdraw(self, request: protocol.Request, entry_id: str) -> None:
         """Take back a request the client no longer waits for: unread, it is deleted; running, it is cancelled."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.xdel(protocol.request_stream(request.model), entry_id)
         pipe.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(request.id))
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except RedisError as exc:  # the worker still drops it at its deadline
+            log.warning("could not withdraw %s: %s", request.id, exc)
 
     async def _ensure_group(self, stream: str) -> None:
         if stream in self._streams_with_group:

@@ -16,8 +16,18 @@ log = logging.getLogger(__name__)
 RECONNECT_DELAY_S = 0.5
 
 
+LOST = "unavailable"  # the error code an open request gets when its events may have been missed
+
+
 class ReplyRouter:
-    """Subscribes once, before any request is accepted, so no event can be published unheard."""
+    """Subscribes once, before any request is accepted, so no event can be published unheard.
+
+    Pub/sub keeps nothing for a subscriber that is away: when the connection breaks (a Redis
+    restart, a network cut), events published until it is re-subscribed are gone. Every request
+    open then gets an `unavailable` error instead of an answer with a silent hole in it. A break
+    shows as a ConnectionError, or, where redis-py reconnected by itself, as a second `subscribe`
+    confirmation.
+    """
 
     def __init__(self, redis: aioredis.Redis, channel: str):
         self.redis = redis
@@ -27,7 +37,7 @@ class ReplyRouter:
         self._reader: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        self._pubsub = self.redis.pubsub()
         await self._pubsub.subscribe(self.channel)
         self._reader = asyncio.create_task(self._read(), name=f"replies:{self.channel}")
 
@@ -49,15 +59,29 @@ class ReplyRouter:
 
     async def _read(self) -> None:
         assert self._pubsub is not None
+        subscribed = False
         while True:
             try:
                 message = await self._pubsub.get_message(timeout=None)
             except (ConnectionError, TimeoutError) as exc:
                 log.warning("reply subscription lost (%s); reconnecting", exc)
+                self._fail_open_requests()
                 await asyncio.sleep(RECONNECT_DELAY_S)
                 continue
-            if message is not None and message["type"] == "message":
+            if message is None:
+                continue
+            if message["type"] == "subscribe":
+                if subscribed:
+                    log.warning("reply subscription was re-established; events sent meanwhile are lost")
+                    self._fail_open_requests()
+                subscribed = True
+            elif message["type"] == "message":
                 self._route(message["data"])
+
+    def _fail_open_requests(self) -> None:
+        for request_id, queue in self._queues.items():
+            message = "the connection to the request queue broke while the request ran; part of its answer may be lost: retry"
+            queue.put_nowait(protocol.error_event(request_id, -1, LOST, message))
 
     def _route(self, data: bytes) -> None:
         try:

@@ -6,11 +6,13 @@ from .keys import (
     CANCEL_CHANNEL,
     DEAD_LETTER_STREAM,
     REQUEST_GROUP,
+    applied_step_key,
     gateway_reply_channel,
     progress_key,
     request_stream,
     worker_key,
 )
+from .progress import decode_progress, encode_progress
 from .messages import (
     VERSION,
     Heartbeat,

@@ -5,6 +5,7 @@ DEAD_LETTER_STREAM = "lmq:dead"
 CANCEL_CHANNEL = "lmq:cancel"
 WORKER_KEY_PREFIX = "lmq:worker:"
 PROGRESS_KEY_PREFIX = "lmq:progress:"
+APPLIED_STEP_KEY_PREFIX = "lmq:applied:"
 
 
 def request_stream(model: str) -> str:
@@ -23,5 +24,10 @@ def worker_key(worker_id: str) -> str:
 
 
 def progress_key(request_id: str) -> str:
-    """Token ids already streamed for a request, so a re-run after a worker death continues from there."""
+    """Token ids already streamed for a request (protocol/progress.py), so a re-run after a worker death continues from there."""
     return f"{PROGRESS_KEY_PREFIX}{request_id}"
+
+
+def applied_step_key(consumer: str, process_token: str) -> str:
+    """The last step a worker process wrote, so that a retried step is not written twice."""
+    return f"{APPLIED_STEP_KEY_PREFIX}{consumer}:{process_token}"

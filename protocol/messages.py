@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .codec import decode_map, encode
+from .codec import decode_map, encode, salvage_map
 from .errors import ProtocolError
 
 VERSION = 1
@@ -262,7 +262,24 @@ def _parse_request_body(data: dict[str, Any], request_id: str, reply: Reply) -> 
 
 
 def decode_request(raw: bytes) -> Request:
-    return parse_request(decode_map(raw))
+    try:
+        data = decode_map(raw)
+    except ProtocolError as exc:
+        if exc.code == "too_large":  # still answer it where it says to, if it can be read
+            _add_address(exc, salvage_map(raw))
+        raise
+    return parse_request(data)
+
+
+def _add_address(error: ProtocolError, data: dict[str, Any] | None) -> None:
+    if data is None:
+        return
+    try:
+        error.reply = parse_reply(data.get("reply"))
+    except ProtocolError:
+        return
+    request_id = data.get("id")
+    error.request_id = request_id if isinstance(request_id, str) and len(request_id) <= MAX_ID_LENGTH else None
 
 
 # ---------------------------------------------------------------- events (worker → reply address)

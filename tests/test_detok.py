@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from tiny_model import VOCAB
-from worker.detok import IncrementalDetokenizer, StopStrings
+from worker.detok import IncrementalDetokenizer, StopStrings, text_state
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +82,21 @@ def test_unfinished_partial_match_is_flushed_at_the_end() -> None:
 
 def test_without_stop_strings_text_passes_straight_through() -> None:
     assert StopStrings([]).push("anything") == ("anything", None)
+
+
+@pytest.mark.parametrize(
+    "text, stops",
+    [("Answer: 龘 ok, 日本語 🙂", []), ("The capital of France is Paris.", ["capital of Italy"]), ("The capital of France is Paris.", ["is Rome", "Par!"])],
+)
+def test_a_takeover_at_any_token_continues_the_text_exactly(tokenizer: Tokenizer, text: str, stops: list[str]) -> None:
+    """A worker died after streaming k tokens (its text held back a partial character or stop string);
+    the one that takes over replays those k tokens and emits exactly the rest of the text."""
+    prompt = tokenizer.encode("Say it:").ids
+    ids = [tokenizer.token_to_id(piece) for piece in _byte_pieces(tokenizer, text)]
+    for k in range(1, len(ids)):
+        detok, matcher = text_state(tokenizer, prompt, [], stops)
+        first_run = "".join(matcher.push(detok.add(token))[0] for token in ids[:k])
+        detok, matcher = text_state(tokenizer, prompt, ids[:k], stops)
+        rest = "".join(matcher.push(detok.add(token))[0] for token in ids[k:])
+        rest += matcher.push(detok.flush())[0] + matcher.flush()
+        assert first_run + rest == text, k

@@ -134,3 +134,14 @@ def test_cancel_and_heartbeat_round_trip():
     assert protocol.Heartbeat.decode(beat.encode()) == beat
     with pytest.raises(ProtocolError):
         protocol.decode_cancel(protocol.encode({"v": 1, "id": "no spaces allowed"}))
+
+
+def test_logit_bias_may_have_integer_keys_as_python_writes_them():
+    parsed = protocol.decode_request(msgpack.packb(request(sampling={"logit_bias": {50: 1.5, "7": -2}})))
+    assert parsed.sampling.logit_bias == {50: 1.5, 7: -2.0}
+
+
+def test_an_oversize_message_is_refused_but_its_reply_address_is_read():
+    error = refused(request(prompt="x" * protocol.MAX_MESSAGE_BYTES, messages=None))
+    assert error.code == "too_large"
+    assert (error.request_id, error.reply) == ("req-1", Reply("pubsub", "lmq:reply:g1"))

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import redis.asyncio as aioredis
+
+from protocol import REQUEST_GROUP
+
 from worker.claims import RequestStream
 
 STREAM = "lmq:req:test"
@@ -36,3 +40,36 @@ async def test_idle_entries_are_claimed_unless_kept(redis_client):
     assert await thief.delivery_count(abandoned.entry_id) == 2
     assert await holder.delivery_count(kept.entry_id) == 1
 
+
+
+async def test_a_withdrawn_entry_is_acknowledged_not_run(any_redis_url):
+    """Deleted while pending at a dead worker (the client left): Redis 6.2's XAUTOCLAIM answers (nil, nil)."""
+    redis = aioredis.Redis.from_url(any_redis_url)
+    dead, live = RequestStream(redis, STREAM, "dead"), RequestStream(redis, STREAM, "live")
+    await dead.ensure_group()
+    withdrawn = (await redis.xadd(STREAM, {"msg": "withdrawn"})).decode()
+    await redis.xadd(STREAM, {"msg": "runnable"})
+    await dead.read_new(count=2, block_ms=100)
+    await redis.xdel(STREAM, withdrawn)
+    await asyncio.sleep(0.05)
+    claimed = await live.claim_idle(min_idle_ms=10, count=10)
+    assert [e.fields for e in claimed] == [{b"msg": b"runnable"}]
+    pending = await redis.xpending_range(STREAM, REQUEST_GROUP, min="-", max="+", count=10)
+    assert [p["message_id"].decode() for p in pending] == [claimed[0].entry_id]
+    await redis.aclose()
+
+
+async def test_keeping_never_takes_an_entry_back_from_its_new_owner(any_redis_url):
+    """A worker that stalled past the claim time and woke up learns it lost the entry."""
+    redis = aioredis.Redis.from_url(any_redis_url)
+    stale, new = RequestStream(redis, STREAM, "stale"), RequestStream(redis, STREAM, "new")
+    await stale.ensure_group()
+    await redis.xadd(STREAM, {"msg": "a"})
+    await redis.xadd(STREAM, {"msg": "b"})
+    taken, still_mine = await stale.read_new(count=2, block_ms=100)
+    await asyncio.sleep(0.05)
+    await redis.xclaim(STREAM, REQUEST_GROUP, "new", 10, [taken.entry_id])
+    assert await stale.keep([taken.entry_id, still_mine.entry_id]) == [taken.entry_id]
+    owners = {p["message_id"].decode(): p["consumer"] for p in await redis.xpending_range(STREAM, REQUEST_GROUP, min="-", max="+", count=10)}
+    assert owners == {taken.entry_id: b"new", still_mine.entry_id: b"stale"}
+    await redis.aclose()

@@ -12,6 +12,8 @@ from protocol import (
     Reply,
     decode_event,
     decode_event_batch,
+    decode_progress,
+    encode_event_batch,
     delta_event,
     done_event,
     progress_key,
@@ -23,7 +25,7 @@ STREAM = "lmq:req:test"
 
 @pytest.fixture
 async def publisher(redis_client):
-    publisher = Publisher(redis_client, STREAM)
+    publisher = Publisher(redis_client, STREAM, "w1")
     task = asyncio.create_task(publisher.run())
     yield publisher
     task.cancel()
@@ -34,8 +36,8 @@ async def test_one_pubsub_message_per_channel_per_step(publisher, redis_client):
     await pubsub.subscribe("lmq:reply:g1")
     await pubsub.get_message(timeout=1)  # the subscribe confirmation
     reply = Reply("pubsub", "lmq:reply:g1")
-    publisher.send(reply, delta_event("a", 0, "Hel", [1, 2], 0))
-    publisher.send(reply, delta_event("b", 0, "Yo", [3], 0))
+    publisher.send("1-1", reply, delta_event("a", 0, "Hel", [1, 2], 0))
+    publisher.send("1-2", reply, delta_event("b", 0, "Yo", [3], 0))
     await publisher.flush()
     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
     assert [e["id"] for e in decode_event_batch(message["data"])] == ["a", "b"]
@@ -45,8 +47,8 @@ async def test_one_pubsub_message_per_channel_per_step(publisher, redis_client):
 
 async def test_reply_stream_is_capped_and_expires(publisher, redis_client):
     reply = Reply("stream", "out:r1")
-    publisher.send(reply, delta_event("r1", 0, "Hi", [5], 0))
-    publisher.send(reply, done_event("r1", 1, "stop", 3, 1, 0))
+    publisher.send("1-1", reply, delta_event("r1", 0, "Hi", [5], 0))
+    publisher.send("1-1", reply, done_event("r1", 1, "stop", 3, 1, 0))
     await publisher.flush()
     entries = await redis_client.xrange("out:r1")
     assert [decode_event(fields[b"msg"])["type"] for _, fields in entries] == ["delta", "done"]
@@ -57,10 +59,11 @@ async def test_progress_is_recorded_then_forgotten_with_the_ack(publisher, redis
     await redis_client.xgroup_create(STREAM, REQUEST_GROUP, id="0", mkstream=True)
     entry_id = (await redis_client.xadd(STREAM, {"msg": b"x"})).decode()
     await redis_client.xreadgroup(REQUEST_GROUP, "w1", {STREAM: ">"})
-    publisher.record_progress("r1", [7, 8])
-    publisher.record_progress("r1", [9])
+    publisher.record_progress(entry_id, "r1", 0, [7, 8])
     await publisher.flush()
-    assert await redis_client.lrange(progress_key("r1"), 0, -1) == [b"7", b"8", b"9"]
+    publisher.record_progress(entry_id, "r1", 2, [9])
+    await publisher.flush()
+    assert decode_progress(await redis_client.get(progress_key("r1"))) == [7, 8, 9]
     publisher.finish(entry_id, "r1")
     await publisher.flush()
     assert not await redis_client.exists(progress_key("r1"))
@@ -68,10 +71,70 @@ async def test_progress_is_recorded_then_forgotten_with_the_ack(publisher, redis
     assert (await redis_client.xpending(STREAM, REQUEST_GROUP))["pending"] == 0
 
 
-async def test_a_failing_write_does_not_stop_the_others(publisher, redis_client):
+async def test_a_refused_reply_fails_its_request_alone(redis_client):
+    refused = []
+    publisher = Publisher(redis_client, STREAM, "w1", on_refused=lambda *args: refused.append(args))
+    task = asyncio.create_task(publisher.run())
     await redis_client.set("not-a-stream", "x")
-    publisher.send(Reply("stream", "not-a-stream"), delta_event("r1", 0, "Hi", [5], 0))
-    publisher.dead_letter(b"\xff", "bad_request", "not msgpack", "w1")
+    publisher.send("1-1", Reply("stream", "not-a-stream"), delta_event("r1", 0, "Hi", [5], 0))
+    publisher.send("1-2", Reply("stream", "out:r2"), delta_event("r2", 0, "Yo", [6], 0))
+    publisher.dead_letter("1-3", b"\xff", "bad_request", "not msgpack")
     await publisher.flush()
-    [(_, fields)] = await redis_client.xrange(DEAD_LETTER_STREAM)
-    assert fields == {b"msg": b"\xff", b"code": b"bad_request", b"message": b"not msgpack", b"worker": b"w1"}
+    task.cancel()
+    assert [(entry, status) for entry, status, _ in refused] == [("1-1", "denied")]
+    assert "WRONGTYPE" in refused[0][2]
+    assert [decode_event(fields[b"msg"])["id"] for _, fields in await redis_client.xrange("out:r2")] == ["r2"]
+    letters = [fields for _, fields in await redis_client.xrange(DEAD_LETTER_STREAM)]
+    assert [fields[b"code"] for fields in letters] == [b"reply_denied", b"bad_request"]
+    assert letters[1] == {b"msg": b"\xff", b"code": b"bad_request", b"message": b"not msgpack", b"worker": b"w1"}
+
+
+async def test_a_batch_of_many_events_is_the_protocols_own_encoding(publisher, redis_client):
+    pubsub = redis_client.pubsub()
+    await pubsub.subscribe("lmq:reply:g1")
+    await pubsub.get_message(timeout=1)
+    events = [delta_event(f"r{i}", 0, "x", [i], 0) for i in range(20)]  # past msgpack's 15-item fixarray
+    for i, event in enumerate(events):
+        publisher.send(f"1-{i}", Reply("pubsub", "lmq:reply:g1"), event)
+    await publisher.flush()
+    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+    assert message["data"] == encode_event_batch(events)
+    await pubsub.aclose()
+
+
+async def _owned_entry(redis, consumer: str) -> str:
+    await redis.xgroup_create(STREAM, REQUEST_GROUP, id="0", mkstream=True)
+    entry_id = (await redis.xadd(STREAM, {"msg": b"x"})).decode()
+    await redis.xreadgroup(REQUEST_GROUP, consumer, {STREAM: ">"})
+    return entry_id
+
+
+async def test_a_worker_that_lost_its_entry_writes_nothing_for_it(redis_client):
+    refused = []
+    stale = Publisher(redis_client, STREAM, "stale", on_refused=lambda *args: refused.append(args))
+    task = asyncio.create_task(stale.run())
+    entry_id = await _owned_entry(redis_client, "stale")
+    await redis_client.xclaim(STREAM, REQUEST_GROUP, "new-owner", 0, [entry_id])  # taken over while stale stalled
+    stale.send(entry_id, Reply("stream", "out:r1"), delta_event("r1", 3, "late", [9], 3))
+    stale.record_progress(entry_id, "r1", 3, [9])
+    stale.finish(entry_id, "r1")
+    await stale.flush()
+    task.cancel()
+    assert [(entry, status) for entry, status, _ in refused] == [(entry_id, "lost")]
+    assert not await redis_client.exists("out:r1", progress_key("r1"))
+    [pending] = await redis_client.xpending_range(STREAM, REQUEST_GROUP, min="-", max="+", count=10)
+    assert pending["consumer"] == b"new-owner"
+
+
+async def test_a_step_sent_twice_is_written_once(redis_client):
+    """A retry after a lost reply (the script ran, its answer did not arrive) must not duplicate anything."""
+    publisher = Publisher(redis_client, STREAM, "w1")
+    entry_id = await _owned_entry(redis_client, "w1")
+    publisher.send(entry_id, Reply("stream", "out:r1"), delta_event("r1", 0, "Hi", [5], 0))
+    publisher.record_progress(entry_id, "r1", 0, [5])
+    writes = publisher._pending
+    await publisher._send(writes)
+    publisher._step -= 1  # the same step again, as the retry loop sends it
+    await publisher._send(writes)
+    assert len(await redis_client.xrange("out:r1")) == 1
+    assert decode_progress(await redis_client.get(progress_key("r1"))) == [5]

@@ -150,7 +150,7 @@ async def _pending_at_dead_worker(redis, request: protocol.Request, *, deliverie
     for _ in range(deliveries - 1):
         await redis.xclaim(STREAM, REQUEST_GROUP, "dead-worker", 0, [entry_id])
     if progress:
-        await redis.rpush(progress_key(request.id), *progress)
+        await redis.set(progress_key(request.id), protocol.encode_progress(progress))
     return entry_id
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from protocol import REQUEST_GROUP
+from worker.step_script import KEEP_LUA
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -18,13 +22,13 @@ class Entry:
     fields: dict[bytes, bytes]
 
 
-def _entries(raw: list) -> list[Entry]:
-    # A deleted entry still pending shows up as (id, None): there is nothing left to run.
-    return [Entry(_text(entry_id), fields or {}) for entry_id, fields in raw]
-
-
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def is_missing_group(error: ResponseError) -> bool:
+    """The stream or its group is gone (FLUSHALL, a Redis restarted without persistence, a deleted key)."""
+    return str(error).startswith("NOGROUP")
 
 
 class RequestStream:
@@ -32,6 +36,7 @@ class RequestStream:
         self.redis = redis
         self.stream = stream
         self.consumer = consumer
+        self._keep = redis.register_script(KEEP_LUA)
 
     async def ensure_group(self) -> None:
         """Create the consumer group (and the stream); whoever starts first does it."""
@@ -44,17 +49,38 @@ class RequestStream:
     async def read_new(self, count: int, block_ms: int) -> list[Entry]:
         """Up to `count` entries never delivered to anyone, waiting at most `block_ms`."""
         reply = await self.redis.xreadgroup(REQUEST_GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
-        return _entries(reply[0][1]) if reply else []
+        return [Entry(_text(entry_id), fields or {}) for entry_id, fields in reply[0][1]] if reply else []
 
     async def claim_idle(self, min_idle_ms: int, count: int) -> list[Entry]:
-        """Take over up to `count` entries that other consumers left idle for `min_idle_ms`."""
-        reply = await self.redis.xautoclaim(self.stream, REQUEST_GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count)
-        return _entries(reply[1])
+        """Take over up to `count` entries that other consumers left idle for `min_idle_ms`.
 
-    async def keep(self, entry_ids: list[str]) -> None:
-        """Reset the idle time of entries this consumer holds, so that nobody claims them."""
-        if entry_ids:
-            await self.redis.xclaim(self.stream, REQUEST_GROUP, self.consumer, 0, entry_ids, justid=True)
+        An entry deleted while pending (its client withdrew it) has nothing left to run. Redis 7+
+        drops it from the pending list itself; Redis 6.2 claims it and answers `(nil, nil)`, so we
+        find it among our pending entries and acknowledge it.
+        """
+        reply = await self.redis.xautoclaim(self.stream, REQUEST_GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count)
+        claimed = [Entry(_text(entry_id), fields or {}) for entry_id, fields in reply[1] if entry_id is not None]
+        if len(claimed) < len(reply[1]):
+            await self._acknowledge_withdrawn()
+        return claimed
+
+    async def _acknowledge_withdrawn(self) -> None:
+        pending = await self.redis.xpending_range(self.stream, REQUEST_GROUP, min="-", max="+", count=1000, consumername=self.consumer)
+        ids = [_text(item["message_id"]) for item in pending]
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(self.stream, entry_id, entry_id)
+        withdrawn = [entry_id for entry_id, found in zip(ids, await pipe.execute()) if not found]
+        if withdrawn:
+            log.info("acknowledged %d withdrawn entries", len(withdrawn))
+            await self.redis.xack(self.stream, REQUEST_GROUP, *withdrawn)
+
+    async def keep(self, entry_ids: list[str]) -> list[str]:
+        """Reset the idle time of entries this consumer still owns; the ones another consumer took over."""
+        if not entry_ids:
+            return []
+        lost = await self._keep(keys=[self.stream], args=[REQUEST_GROUP, self.consumer, *entry_ids])
+        return [_text(entry_id) for entry_id in lost]
 
     async def delivery_count(self, entry_id: str) -> int:
         """How many times the entry was delivered (read or claimed); 0 when it is no longer pending."""

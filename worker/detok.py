@@ -91,3 +91,15 @@ class StopStrings:
                     longest = length
                     break
         return longest
+
+
+def text_state(tokenizer: Tokenizer, prompt_ids: Sequence[int], generated_ids: Sequence[int], stops: Sequence[str]) -> tuple[IncrementalDetokenizer, StopStrings]:
+    """The detokenizer and stop-string state after `generated_ids`, as the run that streamed them left it.
+
+    A request taken over from a dead worker replays the tokens that worker streamed, so text it
+    held back (a possible stop string, part of a UTF-8 character) comes out now, exactly once.
+    """
+    detok, matcher = IncrementalDetokenizer(tokenizer, prompt_ids), StopStrings(stops)
+    for token in generated_ids:
+        matcher.push(detok.add(token))
+    return detok, matcher

@@ -19,7 +19,7 @@ import torch
 from protocol import SamplingParams
 from worker import compute_thread
 from worker.batch import StepBatch
-from worker.detok import IncrementalDetokenizer, StopStrings
+from worker.detok import IncrementalDetokenizer, StopStrings, text_state
 from worker.kv_cache import KVCache, default_kv_budget, page_bytes
 from worker.model.loader import LoadedModel
 from worker.prompt import PromptTooLong
@@ -241,8 +241,8 @@ class Engine:
             vocab_size=self.model.config.vocab_size,
             device=self.model.device,
         )
-        detok = IncrementalDetokenizer(self.model.tokenizer, seq.token_ids)
-        return _Active(request, seq, sampling, detok, StopStrings(params.stop), stop_ids)
+        detok, stops = text_state(self.model.tokenizer, request.prompt_ids, request.generated_ids, params.stop)
+        return _Active(request, seq, sampling, detok, stops, stop_ids)
 
     def _already_finished(self, active: _Active) -> str | None:
         """A request resumed from an earlier run may have nothing left to generate."""

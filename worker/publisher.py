@@ -1,23 +1,31 @@
-"""Everything a worker writes about its requests, sent as one MULTI/EXEC per engine step.
+"""Everything a worker writes about its requests, sent as one fenced script per engine step.
 
-Synchronous code (the engine's step callback, the intake) adds writes; a task sends all
-writes gathered since its last send in one transaction: the events (one PUBLISH per pub/sub
-reply channel, one XADD per event for reply streams), the token ids streamed so far (so a
-re-run after a worker death continues from there), and the acknowledgement of finished
-entries. Events and progress can therefore never disagree, whatever moment a worker dies.
+Synchronous code (the engine's step callback, the intake) adds writes, each tied to the stream
+entry of its request; a task sends all writes gathered since its last send in one call of the
+step script (worker/step_script.py): the events (one PUBLISH per pub/sub reply channel, one XADD
+per event for reply streams), the token ids streamed so far (so a re-run after a worker death
+continues from there), and the acknowledgement of finished entries. Events and progress can
+therefore never disagree, whatever moment a worker dies, and a worker that lost an entry to
+another one writes nothing more for it.
+
+What the script refused comes back through `on_refused(entry_id, status, detail)`: `lost` (another
+worker owns the entry now) or `denied` (its reply address could not be written; the script has
+acknowledged and dead-lettered it). The owner drops those requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError, RedisError, TimeoutError
 
-from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, Reply, encode, encode_event_batch, progress_key
+from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, Reply, applied_step_key, encode, encode_progress, progress_key
+from worker.step_script import LUA
 
 log = logging.getLogger(__name__)
 
@@ -25,49 +33,72 @@ REPLY_STREAM_MAXLEN = 10_000
 DEAD_LETTER_MAXLEN = 10_000
 KEY_TTL_S = 3600
 RETRY_DELAY_S = 0.5
+TOKEN_BYTES = 4  # progress holds each token id as a little-endian uint32
+
+Refused = Callable[[str, str, str], None]
 
 
 @dataclass
-class _Writes:
-    events: dict[Reply, list[dict[str, Any]]] = field(default_factory=dict)
-    progress: dict[str, list[int]] = field(default_factory=dict)
-    finished_entries: list[str] = field(default_factory=list)
-    finished_requests: list[str] = field(default_factory=list)
-    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+class _EntryWrites:
+    """What one step writes for one request stream entry."""
 
-    def __bool__(self) -> bool:
-        return bool(self.events or self.progress or self.finished_entries or self.dead_letters)
+    reply: Reply | None = None
+    events: list[bytes] = field(default_factory=list)
+    request_id: str = ""  # names the progress key; "" for an entry that never ran
+    progress_offset: int = 0  # tokens streamed before `progress`
+    progress: list[int] = field(default_factory=list)
+    finish: bool = False
+    dead_letter: tuple[bytes, str, str] | None = None  # raw msg, code, message
+
+    def arguments(self, entry_id: str) -> list[Any]:
+        kind, key = (self.reply.kind, self.reply.key) if self.reply else ("", "")
+        record: list[Any] = [entry_id, kind, key, len(self.events), *self.events]
+        record += [progress_key(self.request_id) if self.request_id else "", self.progress_offset * TOKEN_BYTES, encode_progress(self.progress)]
+        record += ["1" if self.finish else "", "1" if self.dead_letter else ""]
+        return record + list(self.dead_letter or ())
 
 
 class Publisher:
-    def __init__(self, redis: aioredis.Redis, request_stream: str):
+    def __init__(self, redis: aioredis.Redis, request_stream: str, consumer: str, on_refused: Refused | None = None):
         self.redis = redis
         self.request_stream = request_stream
-        self._pending = _Writes()
+        self.consumer = consumer
+        self.on_refused = on_refused or (lambda entry_id, status, detail: None)
+        self._script = redis.register_script(LUA)
+        # Step numbers are unique to this process, so a restarted worker with the same id starts afresh.
+        self._applied_key = applied_step_key(consumer, secrets.token_hex(4))
+        self._step = 0
+        self._pending: dict[str, _EntryWrites] = {}
         self._wakeup = asyncio.Event()
         self._sent = asyncio.Event()
         self._sending = False
 
     # ------------------------------------------------------------ writes (synchronous, never block)
 
-    def send(self, reply: Reply, event: dict[str, Any]) -> None:
-        self._pending.events.setdefault(reply, []).append(event)
-        self._wakeup.set()
+    def send(self, entry_id: str, reply: Reply, event: dict[str, Any]) -> None:
+        writes = self._writes(entry_id)
+        writes.reply = reply
+        writes.events.append(encode(event))
 
-    def record_progress(self, request_id: str, token_ids: list[int]) -> None:
-        self._pending.progress.setdefault(request_id, []).extend(token_ids)
-        self._wakeup.set()
+    def record_progress(self, entry_id: str, request_id: str, offset: int, token_ids: list[int]) -> None:
+        """`token_ids` were streamed after the first `offset` completion tokens."""
+        writes = self._writes(entry_id)
+        if not writes.progress:
+            writes.request_id, writes.progress_offset = request_id, offset
+        writes.progress.extend(token_ids)
 
     def finish(self, entry_id: str, request_id: str | None) -> None:
         """Acknowledge and delete the entry; forget the request's progress."""
-        self._pending.finished_entries.append(entry_id)
-        if request_id is not None:
-            self._pending.finished_requests.append(request_id)
-        self._wakeup.set()
+        writes = self._writes(entry_id)
+        writes.finish = True
+        writes.request_id = request_id or writes.request_id
 
-    def dead_letter(self, raw: bytes, code: str, message: str, worker_id: str) -> None:
-        self._pending.dead_letters.append({"msg": raw, "code": code, "message": message, "worker": worker_id})
+    def dead_letter(self, entry_id: str, raw: bytes, code: str, message: str) -> None:
+        self._writes(entry_id).dead_letter = (raw, code, message)
+
+    def _writes(self, entry_id: str) -> _EntryWrites:
         self._wakeup.set()
+        return self._pending.setdefault(entry_id, _EntryWrites())
 
     # ------------------------------------------------------------ the sending task
 
@@ -75,10 +106,11 @@ class Publisher:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            writes, self._pending = self._pending, _Writes()
+            writes, self._pending = self._pending, {}
             self._sending = True
             try:
-                await self._send(writes)
+                if writes:
+                    await self._send(writes)
             finally:
                 self._sending = False
             if not self._pending:
@@ -90,36 +122,35 @@ class Publisher:
             self._sent.clear()
             await self._sent.wait()
 
-    async def _send(self, writes: _Writes) -> None:
+    async def _send(self, writes: dict[str, _EntryWrites]) -> None:
+        self._step += 1
+        keys = [self.request_stream, DEAD_LETTER_STREAM, self._applied_key]
+        args: list[Any] = [REQUEST_GROUP, self.consumer, self._step, KEY_TTL_S, REPLY_STREAM_MAXLEN, DEAD_LETTER_MAXLEN]
+        for entry_id, entry_writes in writes.items():
+            args += entry_writes.arguments(entry_id)
         while True:
             try:
-                results = await self._pipeline(writes).execute(raise_on_error=False)
+                answer = await self._script(keys=keys, args=args)
                 break
             except (ConnectionError, TimeoutError) as exc:
                 log.warning("redis unavailable (%s); retrying a step's writes", exc)
                 await asyncio.sleep(RETRY_DELAY_S)
-        for result in results:
-            if isinstance(result, Exception):  # e.g. a reply key that holds another type
-                log.warning("a write failed: %s", result)
+            except RedisError as exc:
+                # Nothing was written: the requests are handed back to the group (another run takes them over).
+                log.error("a step's writes were refused (%s); its %d requests are handed back", exc, len(writes))
+                answer = [part for entry_id in writes for part in (entry_id, "lost", str(exc))]
+                break
+        self._report(answer)
 
-    def _pipeline(self, writes: _Writes) -> aioredis.client.Pipeline:
-        pipe = self.redis.pipeline(transaction=True)
-        for reply, events in writes.events.items():
-            if reply.kind == "pubsub":
-                pipe.publish(reply.key, encode_event_batch(events))
-            else:
-                for event in events:
-                    pipe.xadd(reply.key, {"msg": encode(event)}, maxlen=REPLY_STREAM_MAXLEN, approximate=True)
-                pipe.expire(reply.key, KEY_TTL_S)
-        for request_id, token_ids in writes.progress.items():
-            if token_ids:
-                pipe.rpush(progress_key(request_id), *token_ids)
-                pipe.expire(progress_key(request_id), KEY_TTL_S)
-        for request_id in writes.finished_requests:
-            pipe.delete(progress_key(request_id))
-        if writes.finished_entries:
-            pipe.xack(self.request_stream, REQUEST_GROUP, *writes.finished_entries)
-            pipe.xdel(self.request_stream, *writes.finished_entries)
-        for fields in writes.dead_letters:
-            pipe.xadd(DEAD_LETTER_STREAM, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-        return pipe
+    def _report(self, answer: list) -> None:
+        for index in range(0, len(answer), 3):
+            entry_id, status, detail = (_text(part) for part in answer[index : index + 3])
+            if status == "orphan":
+                log.warning("entry %s is pending for nobody (the group was reset?); its events still go out", entry_id)
+                continue
+            log.warning("entry %s %s: %s", entry_id, "taken over by another worker" if status == "lost" else "refused", detail)
+            self.on_refused(entry_id, status, detail)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

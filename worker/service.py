@@ -17,7 +17,7 @@ from typing import Iterator
 
 import redis.asyncio as aioredis
 import torch
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from protocol import (
     CANCEL_CHANNEL,
@@ -25,13 +25,14 @@ from protocol import (
     ProtocolError,
     Request,
     decode_cancel,
+    decode_progress,
     decode_request,
     progress_key,
     request_stream,
 )
 from protocol.redis_client import connect
 from worker import compute_thread
-from worker.claims import Entry, RequestStream
+from worker.claims import Entry, RequestStream, is_missing_group
 from worker.config import WorkerConfig
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.heartbeat import heartbeat_loop
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000
 REDIS_RETRY_S = 1.0
+CANCEL_MEMORY_S = 120.0  # a cancellation for a request not yet started is remembered this long
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -81,7 +83,7 @@ class Worker:
         self.redis = redis
         stream_name = request_stream(self.model_name)
         self.stream = RequestStream(redis, stream_name, config.worker_id)
-        self.publisher = Publisher(redis, stream_name)
+        self.publisher = Publisher(redis, stream_name, config.worker_id, on_refused=self._on_refused)
         self.engine = Engine(
             model,
             kv_memory_bytes=parse_kv_memory(config.kv_memory),
@@ -91,8 +93,9 @@ class Worker:
             on_step=self._on_step,
         )
         self.metrics = WorkerMetrics(lambda: self.engine.stats)
-        self.table = RequestTable(self.publisher, config.worker_id, lambda outcome: self.metrics.finished.labels(outcome).inc())
+        self.table = RequestTable(self.publisher, lambda outcome: self.metrics.finished.labels(outcome).inc())
         self._room = asyncio.Event()
+        self._early_cancels: dict[str, float] = {}  # request id -> when its cancellation arrived
 
     # ------------------------------------------------------------ lifetime
 
@@ -161,7 +164,7 @@ class Worker:
                 for entry in await self.stream.read_new(room, READ_BLOCK_MS):
                     await self._admit(entry, claimed=False)
             except RedisError as exc:
-                await _pause_after(exc)
+                await self._recover_from(exc)
 
     async def _claim_loop(self) -> None:
         while True:
@@ -171,7 +174,7 @@ class Worker:
                 for entry in await self.stream.claim_idle(self.config.claim_idle_ms, room) if room > 0 else []:
                     await self._admit(entry, claimed=True)
             except RedisError as exc:
-                await _pause_after(exc)
+                await self._recover_from(exc)
 
     async def _keep_loop(self) -> None:
         """Keep our entries from looking abandoned, and time out those past their deadline."""
@@ -179,9 +182,29 @@ class Worker:
             await asyncio.sleep(self.config.claim_idle_ms / 3000)
             self._time_out_overdue()
             try:
-                await self.stream.keep([running.entry_id for running in self.table.running.values()])
+                lost = await self.stream.keep([running.entry_id for running in self.table.running.values()])
             except RedisError as exc:
                 log.warning("could not refresh held entries: %s", exc)
+                continue
+            for entry_id in lost:
+                self._on_refused(entry_id, "lost", "another worker took it over")
+
+    async def _recover_from(self, error: RedisError) -> None:
+        """Recreate a lost stream or group (FLUSHALL, a Redis restarted empty); else wait and retry."""
+        if isinstance(error, ResponseError) and is_missing_group(error):
+            log.warning("the consumer group of %s is gone; recreating it", self.stream.stream)
+            try:
+                await self.stream.ensure_group()
+                return
+            except RedisError as exc:
+                error = exc
+        await _pause_after(error)
+
+    def _on_refused(self, entry_id: str, status: str, detail: str) -> None:
+        """The publisher or the keep loop found an entry this worker may no longer answer: stop its request."""
+        request_id = self.table.drop(entry_id)
+        if request_id is not None:
+            self.engine.cancel(request_id)
 
     async def _listen_for_cancels(self) -> None:
         while True:
@@ -208,6 +231,10 @@ class Worker:
             return
         if request_id in self.table.running:
             self.engine.cancel(request_id)
+        else:  # perhaps read but not started yet (admission awaits Redis): remember it for a while
+            now = time.monotonic()
+            self._early_cancels = {rid: t for rid, t in self._early_cancels.items() if now - t < CANCEL_MEMORY_S}
+            self._early_cancels[request_id] = now
 
     def _time_out_overdue(self) -> None:
         now = time.time()
@@ -240,7 +267,7 @@ class Worker:
 
     async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
         """For an entry taken over from a dead worker: the tokens it streamed, unless it ran too often."""
-        streamed = [int(token) for token in await self.redis.lrange(progress_key(request.id), 0, -1)]
+        streamed = decode_progress(await self.redis.get(progress_key(request.id)))
         attempts = await self.stream.delivery_count(entry.entry_id)
         if attempts > self.config.max_attempts:
             raise ProtocolError("retry_limit", f"abandoned by {attempts - 1} workers; the limit is {self.config.max_attempts} runs")
@@ -259,6 +286,8 @@ class Worker:
         )
         self.engine.add(GenRequest(request.id, prompt_ids, request.sampling, generated_ids=streamed))
         self.table.start(request, entry_id, len(streamed))
+        if self._early_cancels.pop(request.id, None) is not None:
+            self.engine.cancel(request.id)
 
     def _on_step(self, outputs: list[SeqOutput]) -> None:
         self.table.on_step(outputs)

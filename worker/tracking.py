@@ -30,9 +30,8 @@ class Running:
 
 
 class RequestTable:
-    def __init__(self, publisher: Publisher, worker_id: str, count_outcome: Callable[[str], None]):
+    def __init__(self, publisher: Publisher, count_outcome: Callable[[str], None]):
         self.publisher = publisher
-        self.worker_id = worker_id
         self.count_outcome = count_outcome  # called with a finish reason or an error code
         self.running: dict[str, Running] = {}
 
@@ -56,19 +55,29 @@ class RequestTable:
         log.info("rejected entry %s (%s): %s", entry_id, code, message)
         self.count_outcome(code)
         if reply is not None:
-            self.publisher.send(reply, error_event(request_id, seq, code, message))
+            self.publisher.send(entry_id, reply, error_event(request_id, seq, code, message))
         if code not in ORDINARY_REJECTIONS:
-            self.publisher.dead_letter(raw, code, message, self.worker_id)
+            self.publisher.dead_letter(entry_id, raw, code, message)
         self.publisher.finish(entry_id, None)
+
+    def drop(self, entry_id: str) -> str | None:
+        """Forget the request of an entry this worker may no longer answer; its id, to cancel in the engine."""
+        for request_id, running in self.running.items():
+            if running.entry_id == entry_id:
+                del self.running[request_id]
+                self.count_outcome("dropped")
+                return request_id
+        return None
 
     def _send_delta(self, running: Running, output: SeqOutput) -> None:
         if not output.token_ids and not output.text:
             return
         request = running.request
-        self.publisher.send(request.reply, delta_event(request.id, running.take_seq(), output.text, output.token_ids, running.streamed))
-        running.streamed += len(output.token_ids)
+        event = delta_event(request.id, running.take_seq(), output.text, output.token_ids, running.streamed)
+        self.publisher.send(running.entry_id, request.reply, event)
         if output.finish_reason is None:
-            self.publisher.record_progress(request.id, output.token_ids)
+            self.publisher.record_progress(running.entry_id, request.id, running.streamed, output.token_ids)
+        running.streamed += len(output.token_ids)
 
     def _send_end(self, running: Running, output: SeqOutput) -> None:
         request = running.request
@@ -81,6 +90,6 @@ class RequestTable:
             event = done_event(
                 request.id, seq, output.finish_reason, output.prompt_tokens, output.completion_tokens, output.cached_tokens, output.stop_sequence
             )
-        self.publisher.send(request.reply, event)
+        self.publisher.send(running.entry_id, request.reply, event)
         self.publisher.finish(running.entry_id, request.id)
         self.count_outcome(event.get("finish_reason") or event["code"])

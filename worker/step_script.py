@@ -1,0 +1,151 @@
+"""One engine step's writes as one Lua script: atomic, fenced by entry ownership, failing per request.
+
+Why a script and not MULTI/EXEC:
+
+- **Fencing.** A worker that stalled past the claim time (a long GC pause, SIGSTOP, a frozen VM)
+  wakes up still believing it runs requests another worker has taken over. Every write for a
+  request is conditional on the request's entry still being pending *for this consumer*, checked
+  inside the script, so the check and the writes are one atomic step: once another worker claims
+  the entry, nothing the stale one sends reaches the client or the progress record.
+- **One bad reply address fails one request.** A PUBLISH or XADD the server refuses (an ACL that
+  forbids the producer's reply key, a key of another type) is caught with `redis.pcall`; that
+  request is acknowledged and dead-lettered (`reply_denied`) by the script, and the other
+  requests of the step go on. A MULTI/EXEC aborts whole on a refused command.
+- **Idempotent retries.** The script records the step's number under `lmq:applied:<consumer>`; a
+  retry after a lost reply (the script ran, the connection broke before its answer) finds the
+  number and writes nothing twice. Progress is written with SETRANGE at its token offset, which
+  is idempotent on its own.
+
+Per entry the script answers one status: `ok` (owned and written), `lost` (another consumer owns
+it now: nothing written), `orphan` (pending for nobody — the group was lost or the entry already
+acknowledged: events still go out, so a client whose request outlived a Redis flush gets its
+answer), or `denied` (the reply write was refused; the entry is acknowledged and dead-lettered).
+Only non-`ok` statuses are returned, as a flat list `entry, status, detail, ...`.
+
+Arguments: KEYS = [request stream, dead-letter stream, applied-step key]; ARGV = [group, consumer,
+step number, key TTL, reply stream MAXLEN, dead-letter MAXLEN, then one record per entry:
+entry id, reply kind (pubsub | stream | ""), reply key, event count, the events (msgpack bytes),
+progress key ("" = none), progress byte offset, progress bytes, finish ("1" | ""), dead letter
+("1" | ""), and when a dead letter: its msg, code and message].
+"""
+
+from __future__ import annotations
+
+LUA = r"""
+local stream, dead_stream, applied_key = KEYS[1], KEYS[2], KEYS[3]
+local group, me, step, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local reply_maxlen, dead_maxlen = ARGV[5], ARGV[6]
+
+local last = tonumber(redis.call('GET', applied_key) or '-1')
+if last >= step then return {} end
+redis.call('SET', applied_key, step, 'EX', ttl)
+
+local function owner(entry)
+  local pending = redis.pcall('XPENDING', stream, group, entry, entry, 1)
+  if type(pending) ~= 'table' or pending.err or #pending == 0 then return nil end
+  return pending[1][2]
+end
+
+local function array_header(n)
+  if n < 16 then return string.char(0x90 + n) end
+  if n < 65536 then return string.char(0xdc, math.floor(n / 256), n % 256) end
+  return string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256)
+end
+
+local function failed(result)
+  if type(result) == 'table' and result.err then return result.err end
+  return nil
+end
+
+-- Read the records.
+local records, i = {}, 7
+while i <= #ARGV do
+  local r = {entry = ARGV[i], kind = ARGV[i + 1], key = ARGV[i + 2], events = {}}
+  local n = tonumber(ARGV[i + 3])
+  for j = 1, n do r.events[j] = ARGV[i + 3 + j] end
+  i = i + 4 + n
+  r.progress_key, r.progress_at, r.progress = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
+  r.finish, r.dead = ARGV[i + 3] == '1', ARGV[i + 4] == '1'
+  i = i + 5
+  if r.dead then r.dead_msg, r.dead_code, r.dead_text = ARGV[i], ARGV[i + 1], ARGV[i + 2]; i = i + 3 end
+  local who = owner(r.entry)
+  if who == me then r.status = 'ok' elseif who then r.status = 'lost' else r.status = 'orphan' end
+  records[#records + 1] = r
+end
+
+-- Events: one PUBLISH per pub/sub channel ({"v": 1, "events": [...]}), one XADD per event on reply streams.
+local channels, channel_order = {}, {}
+for _, r in ipairs(records) do
+  if r.status ~= 'lost' and #r.events > 0 then
+    if r.kind == 'pubsub' then
+      local c = channels[r.key]
+      if not c then c = {events = {}, records = {}}; channels[r.key] = c; channel_order[#channel_order + 1] = r.key end
+      for _, e in ipairs(r.events) do c.events[#c.events + 1] = e end
+      c.records[#c.records + 1] = r
+    elseif r.kind == 'stream' then
+      for _, e in ipairs(r.events) do
+        local err = failed(redis.pcall('XADD', r.key, 'MAXLEN', '~', reply_maxlen, '*', 'msg', e))
+        if err then r.status, r.detail = 'denied', err; break end
+      end
+      if r.status ~= 'denied' then redis.pcall('EXPIRE', r.key, ttl) end
+    end
+  end
+end
+for _, key in ipairs(channel_order) do
+  local c = channels[key]
+  local batch = '\130\161v\001\166events' .. array_header(#c.events) .. table.concat(c.events)
+  local err = failed(redis.pcall('PUBLISH', key, batch))
+  if err then for _, r in ipairs(c.records) do r.status, r.detail = 'denied', err end end
+end
+
+-- Progress, acknowledgements, dead letters.
+local answer = {}
+for _, r in ipairs(records) do
+  if r.status == 'denied' then
+    local entry = redis.pcall('XRANGE', stream, r.entry, r.entry)
+    local msg = ''
+    if type(entry) == 'table' and entry[1] then
+      local fields = entry[1][2]
+      for k = 1, #fields, 2 do if fields[k] == 'msg' then msg = fields[k + 1] end end
+    end
+    redis.pcall('XADD', dead_stream, 'MAXLEN', '~', dead_maxlen, '*', 'msg', msg, 'code', 'reply_denied', 'message', 'the reply address could not be written: ' .. r.detail, 'worker', me)
+    r.finish = true
+  elseif r.status ~= 'lost' then
+    if r.progress_key ~= '' and #r.progress > 0 then
+      redis.pcall('SETRANGE', r.progress_key, r.progress_at, r.progress)
+      redis.pcall('EXPIRE', r.progress_key, ttl)
+    end
+    if r.dead then
+      redis.pcall('XADD', dead_stream, 'MAXLEN', '~', dead_maxlen, '*', 'msg', r.dead_msg, 'code', r.dead_code, 'message', r.dead_text, 'worker', me)
+    end
+  end
+  if r.finish and r.status ~= 'lost' then
+    redis.pcall('XACK', stream, group, r.entry)
+    redis.pcall('XDEL', stream, r.entry)
+    if r.progress_key ~= '' then redis.pcall('DEL', r.progress_key) end
+  end
+  if r.status ~= 'ok' then
+    answer[#answer + 1] = r.entry
+    answer[#answer + 1] = r.status
+    answer[#answer + 1] = r.detail or ''
+  end
+end
+return answer
+"""
+
+KEEP_LUA = r"""
+-- Reset the idle time of the entries this consumer still owns; answer the ones it no longer owns.
+local stream, group, me = KEYS[1], ARGV[1], ARGV[2]
+local lost = {}
+for i = 3, #ARGV do
+  local pending = redis.pcall('XPENDING', stream, group, ARGV[i], ARGV[i], 1)
+  if type(pending) == 'table' and not pending.err and #pending == 1 then
+    if pending[1][2] == me then
+      redis.call('XCLAIM', stream, group, me, 0, ARGV[i], 'JUSTID')
+    else
+      lost[#lost + 1] = ARGV[i]
+    end
+  end
+end
+return lost
+"""
