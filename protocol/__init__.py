@@ -8,6 +8,7 @@ from .keys import (
     REQUEST_GROUP,
     applied_step_key,
     gateway_reply_channel,
+    holder_key,
     progress_key,
     request_stream,
     worker_key,

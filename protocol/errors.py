@@ -12,6 +12,7 @@ ERROR_CODES = {
     "retry_limit": "the request was abandoned by too many workers",
     "shutting_down": "the worker stopped before the request could run",
     "internal": "the worker failed while running the request",
+    "reply_denied": "the worker could not write the reply address (dead letters only)",
 }
 
 

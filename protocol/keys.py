@@ -5,6 +5,7 @@ DEAD_LETTER_STREAM = "lmq:dead"
 CANCEL_CHANNEL = "lmq:cancel"
 WORKER_KEY_PREFIX = "lmq:worker:"
 PROGRESS_KEY_PREFIX = "lmq:progress:"
+HOLDER_KEY_PREFIX = "lmq:holder:"
 APPLIED_STEP_KEY_PREFIX = "lmq:applied:"
 
 
@@ -21,6 +22,11 @@ def gateway_reply_channel(gateway_id: str) -> str:
 def worker_key(worker_id: str) -> str:
     """Heartbeat key of one worker (expires when the worker stops refreshing it)."""
     return f"{WORKER_KEY_PREFIX}{worker_id}"
+
+
+def holder_key(request_id: str) -> str:
+    """The stream entry that runs a request id: one entry per id at a time, across all workers."""
+    return f"{HOLDER_KEY_PREFIX}{request_id}"
 
 
 def progress_key(request_id: str) -> str:

@@ -76,16 +76,18 @@ async def test_a_refused_reply_fails_its_request_alone(redis_client):
     publisher = Publisher(redis_client, STREAM, "w1", on_refused=lambda *args: refused.append(args))
     task = asyncio.create_task(publisher.run())
     await redis_client.set("not-a-stream", "x")
-    publisher.send("1-1", Reply("stream", "not-a-stream"), delta_event("r1", 0, "Hi", [5], 0))
+    denied = await _owned_entry(redis_client, "w1")
+    publisher.send(denied, Reply("stream", "not-a-stream"), delta_event("r1", 0, "Hi", [5], 0))
     publisher.send("1-2", Reply("stream", "out:r2"), delta_event("r2", 0, "Yo", [6], 0))
     publisher.dead_letter("1-3", b"\xff", "bad_request", "not msgpack")
     await publisher.flush()
     task.cancel()
-    assert [(entry, status) for entry, status, _ in refused] == [("1-1", "denied")]
+    assert [(entry, status) for entry, status, _ in refused] == [(denied, "denied")]
     assert "WRONGTYPE" in refused[0][2]
     assert [decode_event(fields[b"msg"])["id"] for _, fields in await redis_client.xrange("out:r2")] == ["r2"]
     letters = [fields for _, fields in await redis_client.xrange(DEAD_LETTER_STREAM)]
     assert [fields[b"code"] for fields in letters] == [b"reply_denied", b"bad_request"]
+    assert letters[0][b"msg"] == b"x"  # the entry's own msg
     assert letters[1] == {b"msg": b"\xff", b"code": b"bad_request", b"message": b"not msgpack", b"worker": b"w1"}
 
 
@@ -138,3 +140,17 @@ async def test_a_step_sent_twice_is_written_once(redis_client):
     await publisher._send(writes)
     assert len(await redis_client.xrange("out:r1")) == 1
     assert decode_progress(await redis_client.get(progress_key("r1"))) == [5]
+
+
+async def test_a_refused_reply_is_dead_lettered_once_whatever_follows(redis_client):
+    """Steps already queued for a request whose reply was refused must not dead-letter it again."""
+    publisher = Publisher(redis_client, STREAM, "w1")
+    task = asyncio.create_task(publisher.run())
+    entry_id = await _owned_entry(redis_client, "w1")
+    await redis_client.set("not-a-stream", "x")
+    for token in range(3):
+        publisher.send(entry_id, Reply("stream", "not-a-stream"), delta_event("r1", token, "x", [token], token))
+        await publisher.flush()
+    task.cancel()
+    assert [fields[b"code"] for _, fields in await redis_client.xrange(DEAD_LETTER_STREAM)] == [b"reply_denied"]
+    assert (await redis_client.xpending(STREAM, REQUEST_GROUP))["pending"] == 0

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, RedisError, TimeoutError
 
-from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, Reply, applied_step_key, encode, encode_progress, progress_key
+from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, Reply, applied_step_key, encode, encode_progress, holder_key, progress_key
 from worker.step_script import LUA
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class _EntryWrites:
 
     reply: Reply | None = None
     events: list[bytes] = field(default_factory=list)
-    request_id: str = ""  # names the progress key; "" for an entry that never ran
+    request_id: str = ""  # names the progress and holder keys; "" for an entry that never ran
     progress_offset: int = 0  # tokens streamed before `progress`
     progress: list[int] = field(default_factory=list)
     finish: bool = False
@@ -53,7 +53,8 @@ class _EntryWrites:
     def arguments(self, entry_id: str) -> list[Any]:
         kind, key = (self.reply.kind, self.reply.key) if self.reply else ("", "")
         record: list[Any] = [entry_id, kind, key, len(self.events), *self.events]
-        record += [progress_key(self.request_id) if self.request_id else "", self.progress_offset * TOKEN_BYTES, encode_progress(self.progress)]
+        keys = [progress_key(self.request_id), holder_key(self.request_id)] if self.request_id else ["", ""]
+        record += [*keys, self.progress_offset * TOKEN_BYTES, encode_progress(self.progress)]
         record += ["1" if self.finish else "", "1" if self.dead_letter else ""]
         return record + list(self.dead_letter or ())
 
@@ -88,7 +89,7 @@ class Publisher:
         writes.progress.extend(token_ids)
 
     def finish(self, entry_id: str, request_id: str | None) -> None:
-        """Acknowledge and delete the entry; forget the request's progress."""
+        """Acknowledge and delete the entry; forget the request's progress and holder."""
         writes = self._writes(entry_id)
         writes.finish = True
         writes.request_id = request_id or writes.request_id

@@ -27,6 +27,7 @@ from protocol import (
     decode_cancel,
     decode_progress,
     decode_request,
+    holder_key,
     progress_key,
     request_stream,
 )
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 READ_BLOCK_MS = 1000
 REDIS_RETRY_S = 1.0
 CANCEL_MEMORY_S = 120.0  # a cancellation for a request not yet started is remembered this long
+HOLDER_MARGIN_S = 60  # a request's holder key outlives its deadline by this much
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -258,12 +260,15 @@ class Worker:
                 streamed = await self._check_attempts_and_progress(entry, request)
             if time.time() > request.deadline:
                 raise ProtocolError("timeout", "the request's deadline passed before it started")
+            await self._hold_id(request, entry.entry_id)
             self._start(request, entry.entry_id, streamed)
         except RedisError:
             raise
         except Exception as exc:
             code, message = _rejection(exc)
-            self.table.reject(entry.entry_id, raw, code, message, request_id=request.id, reply=request.reply, seq=len(streamed))
+            # The request ends here: forget its progress and holder, unless those belong to the other run of its id.
+            forget = code != "duplicate_id"
+            self.table.reject(entry.entry_id, raw, code, message, request_id=request.id, reply=request.reply, seq=len(streamed), forget=forget)
 
     async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
         """For an entry taken over from a dead worker: the tokens it streamed, unless it ran too often."""
@@ -273,9 +278,19 @@ class Worker:
             raise ProtocolError("retry_limit", f"abandoned by {attempts - 1} workers; the limit is {self.config.max_attempts} runs")
         return streamed
 
-    def _start(self, request: Request, entry_id: str, streamed: list[int]) -> None:
-        if request.id in self.table.running:
+    async def _hold_id(self, request: Request, entry_id: str) -> None:
+        """Make this entry the one that runs the request's id, on every worker: two entries with one id
+        would share a reply address and a progress record. The entry finishing deletes the key."""
+        key = holder_key(request.id)
+        ttl = max(int(request.deadline - time.time()), 0) + HOLDER_MARGIN_S
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(key, entry_id, nx=True, ex=ttl)
+        pipe.get(key)
+        _, holder = await pipe.execute()
+        if holder is not None and holder.decode() != entry_id:
             raise ProtocolError("duplicate_id", f"a request with id {request.id} is already running")
+
+    def _start(self, request: Request, entry_id: str, streamed: list[int]) -> None:
         prompt_ids = build_prompt_ids(
             self.model,
             messages=request.messages,

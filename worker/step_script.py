@@ -25,7 +25,8 @@ Only non-`ok` statuses are returned, as a flat list `entry, status, detail, ...`
 Arguments: KEYS = [request stream, dead-letter stream, applied-step key]; ARGV = [group, consumer,
 step number, key TTL, reply stream MAXLEN, dead-letter MAXLEN, then one record per entry:
 entry id, reply kind (pubsub | stream | ""), reply key, event count, the events (msgpack bytes),
-progress key ("" = none), progress byte offset, progress bytes, finish ("1" | ""), dead letter
+progress key ("" = none), holder key ("" = none), progress byte offset, progress bytes, finish
+("1" | "": acknowledge the entry, delete progress and holder), dead letter
 ("1" | ""), and when a dead letter: its msg, code and message].
 """
 
@@ -64,12 +65,13 @@ while i <= #ARGV do
   local n = tonumber(ARGV[i + 3])
   for j = 1, n do r.events[j] = ARGV[i + 3 + j] end
   i = i + 4 + n
-  r.progress_key, r.progress_at, r.progress = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
-  r.finish, r.dead = ARGV[i + 3] == '1', ARGV[i + 4] == '1'
-  i = i + 5
+  r.progress_key, r.holder_key, r.progress_at, r.progress = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3]
+  r.finish, r.dead = ARGV[i + 4] == '1', ARGV[i + 5] == '1'
+  i = i + 6
   if r.dead then r.dead_msg, r.dead_code, r.dead_text = ARGV[i], ARGV[i + 1], ARGV[i + 2]; i = i + 3 end
   local who = owner(r.entry)
   if who == me then r.status = 'ok' elseif who then r.status = 'lost' else r.status = 'orphan' end
+  r.owned = r.status == 'ok'
   records[#records + 1] = r
 end
 
@@ -101,7 +103,9 @@ end
 -- Progress, acknowledgements, dead letters.
 local answer = {}
 for _, r in ipairs(records) do
-  if r.status == 'denied' then
+  if r.status == 'denied' and not r.owned then
+    r.finish = false  -- denied before, in an earlier step: already acknowledged and dead-lettered
+  elseif r.status == 'denied' then
     local entry = redis.pcall('XRANGE', stream, r.entry, r.entry)
     local msg = ''
     if type(entry) == 'table' and entry[1] then
@@ -123,6 +127,7 @@ for _, r in ipairs(records) do
     redis.pcall('XACK', stream, group, r.entry)
     redis.pcall('XDEL', stream, r.entry)
     if r.progress_key ~= '' then redis.pcall('DEL', r.progress_key) end
+    if r.holder_key ~= '' then redis.pcall('DEL', r.holder_key) end
   end
   if r.status ~= 'ok' then
     answer[#answer + 1] = r.entry

@@ -50,15 +50,18 @@ class RequestTable:
                 self._send_end(running, output)
                 del self.running[output.id]
 
-    def reject(self, entry_id: str, raw: bytes, code: str, message: str, *, request_id: str | None, reply: Reply | None, seq: int = 0) -> None:
-        """Answer a request that will not run: an error event where possible, a dead letter unless ordinary."""
+    def reject(
+        self, entry_id: str, raw: bytes, code: str, message: str, *, request_id: str | None, reply: Reply | None, seq: int = 0, forget: bool = False
+    ) -> None:
+        """Answer a request that will not run: an error event where possible, a dead letter unless ordinary.
+        `forget`: also delete the request id's progress and holder keys."""
         log.info("rejected entry %s (%s): %s", entry_id, code, message)
         self.count_outcome(code)
         if reply is not None:
             self.publisher.send(entry_id, reply, error_event(request_id, seq, code, message))
         if code not in ORDINARY_REJECTIONS:
             self.publisher.dead_letter(entry_id, raw, code, message)
-        self.publisher.finish(entry_id, None)
+        self.publisher.finish(entry_id, request_id if forget else None)
 
     def drop(self, entry_id: str) -> str | None:
         """Forget the request of an entry this worker may no longer answer; its id, to cancel in the engine."""
