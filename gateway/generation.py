@@ -12,6 +12,7 @@ error) withdraws the request: deleted from the stream if no worker read it yet, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +20,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from opentelemetry.trace import Status, StatusCode
+
 import protocol
+from protocol.tracing import traceparent, tracer
 
 from .context import Gateway
 from .errors import ApiError
@@ -81,21 +85,32 @@ class Generation:
         self._started = False  # some event came: a worker holds the request
         self._tokens_relayed = 0
         self._finished = False
+        # The request's trace: the worker continues it from the protocol's `trace` field.
+        self.span = tracer.start_span("lmq.gateway.request", attributes={"lmq.request_id": request.id, "lmq.model": request.model})
 
     async def __aenter__(self) -> "Generation":
+        self.request = dataclasses.replace(self.request, trace=traceparent(self.span))
         self._events = self.gateway.replies.open(self.request.id)
         try:
             self._entry_id = await self.gateway.queue.submit(self.request)
-        except BaseException:
+        except BaseException as exc:
             self.gateway.replies.close(self.request.id)
+            self._end_span(exc)
             raise
         self._submitted_at = time.monotonic()
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.gateway.replies.close(self.request.id)
+        self._end_span(exc)
         if not self._finished:
             await asyncio.shield(self.gateway.queue.withdraw(self.request, self._entry_id))
+
+    def _end_span(self, error: BaseException | None) -> None:
+        self.span.set_attribute("lmq.completion_tokens", self._tokens_relayed)
+        if error is not None:
+            self.span.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
+        self.span.end()
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[Delta | Done | None]:
         while True:
@@ -161,6 +176,7 @@ class Generation:
             raise _lost(offset - self._tokens_relayed)
         self._tokens_relayed += len(token_ids)
         if self._first_token_at is None:
+            self.span.add_event("first_token")
             self._first_token_at = time.monotonic()
             self.gateway.metrics.time_to_first_token.observe(self._first_token_at - self._submitted_at)
         return Delta(text=str(event.get("text", "")), token_ids=token_ids)

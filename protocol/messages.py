@@ -30,6 +30,7 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 REPLY_KINDS = ("pubsub", "stream")
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Request:
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     truncate: bool = False  # keep the most recent tokens instead of failing a too-long prompt
+    trace: str | None = None  # W3C traceparent of the producer's span: the worker's spans continue its trace
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -258,7 +260,16 @@ def _parse_request_body(data: dict[str, Any], request_id: str, reply: Reply) -> 
         prompt=_str(data["prompt"], "prompt", MAX_TEXT_CHARS) if "prompt" in inputs else None,
         prompt_ids=_token_ids(data["prompt_ids"], "prompt_ids", MAX_PROMPT_IDS) if "prompt_ids" in inputs else None,
         truncate=_bool(data, "truncate", False),
+        trace=_traceparent(data.get("trace")),
     )
+
+
+def _traceparent(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _TRACEPARENT.match(value):
+        raise _fail("trace", "must be a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
+    return value
 
 
 def decode_request(raw: bytes) -> Request:

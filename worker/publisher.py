@@ -8,7 +8,8 @@ continues from there), and the acknowledgement of finished entries. Events and p
 therefore never disagree, whatever moment a worker dies, and a worker that lost an entry to
 another one writes nothing more for it.
 
-What the script refused comes back through `on_refused(entry_id, status, detail)`: `lost` (another
+What was written is reported through `on_written(entry_ids)`; what the script refused comes back
+through `on_refused(entry_id, status, detail)`: `lost` (another
 worker owns the entry now) or `denied` (its reply address could not be written; the script has
 acknowledged and dead-lettered it). The owner drops those requests.
 """
@@ -60,11 +61,19 @@ class _EntryWrites:
 
 
 class Publisher:
-    def __init__(self, redis: aioredis.Redis, request_stream: str, consumer: str, on_refused: Refused | None = None):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        request_stream: str,
+        consumer: str,
+        on_refused: Refused | None = None,
+        on_written: Callable[[list[str]], None] | None = None,
+    ):
         self.redis = redis
         self.request_stream = request_stream
         self.consumer = consumer
         self.on_refused = on_refused or (lambda entry_id, status, detail: None)
+        self.on_written = on_written or (lambda entry_ids: None)
         self._script = redis.register_script(LUA)
         # Step numbers are unique to this process, so a restarted worker with the same id starts afresh.
         self._applied_key = applied_step_key(consumer, secrets.token_hex(4))
@@ -141,16 +150,19 @@ class Publisher:
                 log.error("a step's writes were refused (%s); its %d requests are handed back", exc, len(writes))
                 answer = [part for entry_id in writes for part in (entry_id, "lost", str(exc))]
                 break
-        self._report(answer)
+        self._report(answer, list(writes))
 
-    def _report(self, answer: list) -> None:
+    def _report(self, answer: list, entry_ids: list[str]) -> None:
+        refused: set[str] = set()
         for index in range(0, len(answer), 3):
             entry_id, status, detail = (_text(part) for part in answer[index : index + 3])
             if status == "orphan":
                 log.warning("entry %s is pending for nobody (the group was reset?); its events still go out", entry_id)
                 continue
             log.warning("entry %s %s: %s", entry_id, "taken over by another worker" if status == "lost" else "refused", detail)
+            refused.add(entry_id)
             self.on_refused(entry_id, status, detail)
+        self.on_written([entry_id for entry_id in entry_ids if entry_id not in refused])
 
 
 def _text(value: bytes | str) -> str:

@@ -85,7 +85,7 @@ class Worker:
         self.redis = redis
         stream_name = request_stream(self.model_name)
         self.stream = RequestStream(redis, stream_name, config.worker_id)
-        self.publisher = Publisher(redis, stream_name, config.worker_id, on_refused=self._on_refused)
+        self.publisher = Publisher(redis, stream_name, config.worker_id, on_refused=self._on_refused, on_written=self._on_written)
         self.engine = Engine(
             model,
             kv_memory_bytes=parse_kv_memory(config.kv_memory),
@@ -201,6 +201,9 @@ class Worker:
             except RedisError as exc:
                 error = exc
         await _pause_after(error)
+
+    def _on_written(self, entry_ids: list[str]) -> None:
+        self.table.written(entry_ids)
 
     def _on_refused(self, entry_id: str, status: str, detail: str) -> None:
         """The publisher or the keep loop found an entry this worker may no longer answer: stop its request."""

@@ -9,6 +9,7 @@ from typing import Callable
 from protocol import Reply, Request, delta_event, done_event, error_event
 from worker.engine import SeqOutput
 from worker.publisher import Publisher
+from worker.request_spans import RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ class Running:
     entry_id: str
     next_seq: int
     streamed: int  # completion tokens sent so far, by this worker or a dead one before it
+    spans: RequestSpans
     timed_out: bool = False
 
     def take_seq(self) -> int:
@@ -34,10 +36,12 @@ class RequestTable:
         self.publisher = publisher
         self.count_outcome = count_outcome  # called with a finish reason or an error code
         self.running: dict[str, Running] = {}
+        self._publishing: dict[str, RequestSpans] = {}  # entry id -> spans of an ended request until its write is done
 
     def start(self, request: Request, entry_id: str, already_streamed: int) -> None:
         # A dead worker sent at most one delta per streamed token, so its seq numbers stay below this.
-        self.running[request.id] = Running(request, entry_id, next_seq=already_streamed, streamed=already_streamed)
+        spans = RequestSpans(request, entry_id, self.publisher.consumer, already_streamed)
+        self.running[request.id] = Running(request, entry_id, next_seq=already_streamed, streamed=already_streamed, spans=spans)
 
     def on_step(self, outputs: list[SeqOutput]) -> None:
         """Turn one engine step's outputs into writes."""
@@ -68,9 +72,17 @@ class RequestTable:
         for request_id, running in self.running.items():
             if running.entry_id == entry_id:
                 del self.running[request_id]
+                running.spans.dropped("the entry was taken over or its reply refused")
                 self.count_outcome("dropped")
                 return request_id
         return None
+
+    def written(self, entry_ids: list[str]) -> None:
+        """The publisher wrote these entries' events: the requests that ended there are done."""
+        for entry_id in entry_ids:
+            spans = self._publishing.pop(entry_id, None)
+            if spans is not None:
+                spans.written()
 
     def _send_delta(self, running: Running, output: SeqOutput) -> None:
         if not output.token_ids and not output.text:
@@ -78,6 +90,8 @@ class RequestTable:
         request = running.request
         event = delta_event(request.id, running.take_seq(), output.text, output.token_ids, running.streamed)
         self.publisher.send(running.entry_id, request.reply, event)
+        if output.token_ids:
+            running.spans.tokens_streamed()
         if output.finish_reason is None:
             self.publisher.record_progress(running.entry_id, request.id, running.streamed, output.token_ids)
         running.streamed += len(output.token_ids)
@@ -95,4 +109,7 @@ class RequestTable:
             )
         self.publisher.send(running.entry_id, request.reply, event)
         self.publisher.finish(running.entry_id, request.id)
-        self.count_outcome(event.get("finish_reason") or event["code"])
+        outcome = event.get("finish_reason") or event["code"]
+        self.count_outcome(outcome)
+        running.spans.ended(outcome)
+        self._publishing[running.entry_id] = running.spans
