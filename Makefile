@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install system-deps serve test test-fast bench clean
 
 install: $(STAMP)
 
@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml
 serve: install
 	PORT=$(PORT) $(BIN)/lmq serve
 
-test: install
+# chromium and promtool, for two tests (installed when root with apt; else those tests skip)
+system-deps:
+	bash .ci/system-deps
+
+test: install system-deps
 	$(BIN)/pytest -q
 
 test-fast: install

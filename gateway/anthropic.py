@@ -102,7 +102,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     sampling = parse_sampling(body)
     stream = bool(optional_bool(body, "stream"))
     work = new_request(gateway, new_request_id("msg_"), model, sampling, messages=parse_messages(body))
-    async with Generation(gateway, work) as generation:
+    async with Generation(gateway, work, "messages") as generation:
         if not stream:
             text, done = await generation.result()
             return web.json_response(message_body(work.id, model, [{"type": "text", "text": text}], done))
@@ -141,6 +141,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     model = await gateway.models.require(required_str(body, "model"))
     one_token = protocol.SamplingParams(max_tokens=1, temperature=0.0)
     work = new_request(gateway, new_request_id("count_"), model, one_token, messages=parse_messages(body))
-    async with Generation(gateway, work) as generation:
+    async with Generation(gateway, work, "count_tokens", timed=False) as generation:
         _, done = await generation.result()
     return web.json_response({"input_tokens": done.usage.prompt_tokens})

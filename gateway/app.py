@@ -16,9 +16,12 @@ import protocol
 from protocol.redis_client import connect
 
 from . import anthropic, openai, status
+from .access_log import setup_access_log
 from .auth import auth_middleware, load_api_keys
+from .chat_page import add_chat_page
 from .config import GatewayConfig
 from .context import GATEWAY, Gateway
+from .cors import setup_cors
 from .errors import ApiError, api_of, error_response
 from .metrics import Metrics, metrics_middleware
 from .queue import RequestQueue
@@ -64,6 +67,8 @@ def create_app(config: GatewayConfig) -> web.Application:
         middlewares=[metrics_middleware(gateway.metrics), error_middleware, auth_middleware(load_api_keys(config))],
     )
     app[GATEWAY] = gateway
+    setup_access_log(app)  # before CORS: its preflight middleware stays outermost
+    setup_cors(app, config.allowed_origins)
     app.cleanup_ctx.append(_subscribed)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", openai.completions)
@@ -74,6 +79,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/metrics", status.metrics)
+    add_chat_page(app)
     return app
 
 
@@ -86,13 +92,21 @@ async def _subscribed(app: web.Application) -> AsyncIterator[None]:
     await gateway.redis.aclose()
 
 
-async def run_gateway(config: GatewayConfig) -> None:
-    """Serve until cancelled. A client that disconnects cancels its handler (and so its request)."""
+async def run_gateway(config: GatewayConfig, *, listening: asyncio.Event | None = None) -> None:
+    """Serve until cancelled; `listening` is set once the port is bound. A client that disconnects
+    cancels its handler (and so its request)."""
     runner = web.AppRunner(create_app(config), handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()
         log.info("gateway %s listening on http://%s:%d", config.gateway_id, config.host, config.port)
+        if listening is not None:
+            listening.set()
+        # Python 3.11's asyncio.wait_for (inside redis-py's connect) can swallow a cancellation that
+        # lands as the connection completes: honour one that arrived during setup.
+        task = asyncio.current_task()
+        if task is not None and getattr(task, "cancelling", lambda: 0)():
+            raise asyncio.CancelledError
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

@@ -20,4 +20,8 @@ class GatewayConfig:
     retry_after: int = field(default=2, metadata={"help": "seconds in Retry-After when the queue is full"})
     keepalive_seconds: float = field(default=5.0, metadata={"help": "idle seconds between keep-alives on a stream (Anthropic `ping`)"})
     default_max_tokens: int = field(default=512, metadata={"help": "max_tokens when a request gives none"})
+    allowed_origins: str = field(default="", metadata={"help": "comma-separated origins whose pages may call the API (CORS), `*` for any; empty = none"})
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12], metadata={"help": "unique id; names this gateway's reply channel"})
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object a line"})
+    otlp_endpoint: str = field(default="", metadata={"help": "OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces); empty = tracing off"})

@@ -34,7 +34,23 @@ WORKER_ERROR_STATUS = {
     "prompt_too_long": 400,
     "timeout": 504,
     "shutting_down": 503,
+    "duplicate_id": 409,  # a client's X-Request-Id already running on another gateway
     "unavailable": 503,  # the gateway lost events (protocol.ERROR_CODES has no such code: see replies.py)
+}
+
+# The code metrics count an error without one of its own by (validation's 400s, aiohttp's 404/405/413).
+STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "too_large",
+    415: "unsupported_media_type",
+    429: "overloaded",
+    500: "internal",
+    503: "unavailable",
+    504: "timeout",
 }
 
 
@@ -53,8 +69,8 @@ class ApiError(Exception):
 
     @property
     def label(self) -> str:
-        """A short name for metrics: the error code, else the status."""
-        return self.code or str(self.status)
+        """The error's code for metrics, from one vocabulary: its own code, else one its status implies."""
+        return self.code or STATUS_CODES.get(self.status, "bad_request" if self.status < 500 else "internal")
 
 
 def api_of(request: web.Request) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from opentelemetry.trace import Status, StatusCode
 import protocol
 from protocol.tracing import traceparent, tracer
 
+from . import access_log
 from .context import Gateway
 from .errors import ApiError
 
@@ -50,7 +50,8 @@ class Done:
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}{secrets.token_hex(12)}"
+    """The client's X-Request-Id when it sent a usable one, else `prefix<24 hex>` (see access_log.py)."""
+    return access_log.request_id(prefix)
 
 
 def new_request(gateway: Gateway, request_id: str, model: str, sampling: protocol.SamplingParams, **prompt: Any) -> protocol.Request:
@@ -59,6 +60,8 @@ def new_request(gateway: Gateway, request_id: str, model: str, sampling: protoco
     It is checked as a worker will check it, so a request the protocol refuses fails here (400 or 413),
     before it is enqueued.
     """
+    if gateway.replies.is_open(request_id):  # a client reusing its X-Request-Id while the first is running
+        raise ApiError(409, f"a request with id {request_id} is already in progress", code="duplicate_id")
     request = protocol.Request(
         id=request_id,
         model=model,
@@ -75,9 +78,13 @@ def new_request(gateway: Gateway, request_id: str, model: str, sampling: protoco
 
 
 class Generation:
-    def __init__(self, gateway: Gateway, request: protocol.Request):
+    """`api` names the endpoint in lmq_requests_total; `timed=False` keeps it out of the latency histograms."""
+
+    def __init__(self, gateway: Gateway, request: protocol.Request, api: str = "", timed: bool = True):
         self.gateway = gateway
         self.request = request
+        self.metrics = gateway.metrics.request(request.model, api, timed)
+        access_log.note(model=request.model)
         self._events: asyncio.Queue[dict[str, Any]] | None = None
         self._entry_id = ""
         self._submitted_at = 0.0
@@ -96,13 +103,16 @@ class Generation:
         except BaseException as exc:
             self.gateway.replies.close(self.request.id)
             self._end_span(exc)
+            self.metrics.left(exc)
             raise
         self._submitted_at = time.monotonic()
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        access_log.note(first_token_at=self._first_token_at, completion_tokens=self._tokens_relayed)
         self.gateway.replies.close(self.request.id)
         self._end_span(exc)
+        self.metrics.left(exc)
         if not self._finished:
             await asyncio.shield(self.gateway.queue.withdraw(self.request, self._entry_id))
 
@@ -113,20 +123,24 @@ class Generation:
         self.span.end()
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[Delta | Done | None]:
-        while True:
-            event = await self._next_event(keepalive)
-            if event is None:
-                yield None
-            elif event["type"] == "delta":
-                delta = self._accept_delta(event)
-                if delta is not None:
-                    yield delta
-            elif event["type"] == "done":
-                yield self._finish(event)
-                return
-            else:
-                self._finished = True
-                raise ApiError.from_worker(str(event.get("code")), str(event.get("message")))
+        try:
+            while True:
+                event = await self._next_event(keepalive)
+                if event is None:
+                    yield None
+                elif event["type"] == "delta":
+                    delta = self._accept_delta(event)
+                    if delta is not None:
+                        yield delta
+                elif event["type"] == "done":
+                    yield self._finish(event)
+                    return
+                else:
+                    self._finished = True
+                    raise ApiError.from_worker(str(event.get("code")), str(event.get("message")))
+        except ApiError as error:  # counted here: a stream shows it to the client and leaves the block without it
+            self.metrics.ended(error.label)
+            raise
 
     async def result(self) -> tuple[str, Done]:
         """The whole text and the `done` (for non-streaming answers)."""
@@ -156,6 +170,7 @@ class Generation:
                     continue
                 raise ApiError(504, problem, code="timeout") from None
             self._started = True
+            self.metrics.event()
             return event
 
     def _time_limit(self) -> tuple[float, str]:
@@ -175,10 +190,10 @@ class Generation:
         if offset > self._tokens_relayed:
             raise _lost(offset - self._tokens_relayed)
         self._tokens_relayed += len(token_ids)
+        self.metrics.tokens(len(token_ids))
         if self._first_token_at is None:
             self.span.add_event("first_token")
             self._first_token_at = time.monotonic()
-            self.gateway.metrics.time_to_first_token.observe(self._first_token_at - self._submitted_at)
         return Delta(text=str(event.get("text", "")), token_ids=token_ids)
 
     def _finish(self, event: dict[str, Any]) -> Done:
@@ -198,9 +213,8 @@ class Generation:
                 cached_tokens=int(usage.get("cached_tokens", 0)),
             ),
         )
-        if self._first_token_at is not None and done.usage.completion_tokens > 1:
-            per_token = (time.monotonic() - self._first_token_at) / (done.usage.completion_tokens - 1)
-            self.gateway.metrics.time_per_output_token.observe(per_token)
+        self.metrics.done(done.finish_reason, done.usage.prompt_tokens, done.usage.completion_tokens)
+        access_log.note(prompt_tokens=done.usage.prompt_tokens)
         return done
 
 

@@ -134,6 +134,7 @@ class ChatShape(_Shape):
     """Bodies of /v1/chat/completions: one `chat.completion`, or `chat.completion.chunk`s."""
 
     chunk_object = "chat.completion.chunk"
+    api = "chat_completions"  # in metrics
 
     def complete(self, text: str, done: Done) -> dict[str, Any]:
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None, "finish_reason": done.finish_reason}
@@ -157,6 +158,7 @@ class CompletionShape(_Shape):
     """Bodies of the legacy /v1/completions: `text_completion` objects, whole or in chunks."""
 
     chunk_object = "text_completion"
+    api = "completions"
 
     def complete(self, text: str, done: Done) -> dict[str, Any]:
         return self._envelope("text_completion", [self._choice(text, done.finish_reason)]) | {"usage": usage_body(done.usage)}
@@ -200,7 +202,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def answer(request: web.Request, gateway: Gateway, work: protocol.Request, shape: ChatShape | CompletionShape, stream: bool) -> web.StreamResponse:
-    async with Generation(gateway, work) as generation:
+    async with Generation(gateway, work, shape.api) as generation:
         if not stream:
             text, done = await generation.result()
             return web.json_response(shape.complete(text, done))

@@ -54,6 +54,9 @@ class ReplyRouter:
         self._queues[request_id] = queue
         return queue
 
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._queues
+
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 

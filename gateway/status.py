@@ -49,7 +49,14 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text; the queue depths are read from Redis now, for the models live workers serve
+    (left out while Redis does not answer: the gateway's own metrics matter most then)."""
     gateway = gateway_of(request)
-    for model in await gateway.models.served():
-        gateway.metrics.queue_depth.labels(model).set(await gateway.queue.waiting(model))
+    try:
+        depths = {model: await gateway.queue.waiting(model) for model in await gateway.models.served()}
+    except RedisError:
+        depths = {}
+    gateway.metrics.queue_depth.clear()  # a model no longer served leaves the list
+    for model, depth in depths.items():
+        gateway.metrics.queue_depth.labels(model).set(depth)
     return web.Response(body=gateway.metrics.render(), headers={"Content-Type": gateway.metrics.content_type})

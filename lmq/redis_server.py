@@ -60,6 +60,18 @@ def find_redis_server(kind: str | None = None) -> str:
     return found
 
 
+def _answers(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket at `path`."""
+    if not path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 def free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,6 +122,9 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self.port and _answers(self.socket_path):
+            # A second server would take the path over, and delete it when it stops.
+            raise RuntimeError(f"another server listens on {self.socket_path}: give each its own data directory")
         # With a port, TCP only: a socket's path must stay under 108 bytes, and a deep data_dir's won't.
         listen = ["--port", str(self.port)]
         if not self.port:

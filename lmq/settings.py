@@ -67,3 +67,17 @@ def build(settings_class: type[T], args: argparse.Namespace, environ: dict[str, 
         elif env_name(field) in environ:
             values[field.name] = _from_environment(field, environ[env_name(field)])
     return settings_class(**values)
+
+
+def setting_name(settings_class: type, name: str) -> str:
+    """How an operator sets a field, for messages: `LMQ_KV_MEMORY (--kv-memory)`."""
+    field = next(f for f in dataclasses.fields(settings_class) if f.name == name)
+    return f"{env_name(field)} ({flag_name(field)})"
+
+
+def at_least(config: object, name: str, low: float, high: float | None = None) -> None:
+    """Refuse a number below `low` (or above `high`), naming the setting."""
+    value = getattr(config, name)
+    if value < low or (high is not None and value > high):
+        bounds = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
+        raise ValueError(f"{setting_name(type(config), name)} must be {bounds}, not {value!r}")

@@ -8,6 +8,7 @@ import dataclasses
 import aiohttp
 import openai
 from gateway_support import REAL_MODEL, real_worker, running_gateway
+from worker_helpers import wait_for
 from worker_process import SlowModel
 
 
@@ -15,11 +16,11 @@ from worker_process import SlowModel
 
 
 def finished(worker, outcome: str) -> float:
-    return worker.metrics.finished.labels(outcome)._value.get()
+    return worker.metrics.finished.labels(worker.model_name, outcome)._value.get()
 
 
 async def test_a_client_leaving_mid_stream_frees_the_workers_pages(redis_url, tiny):
-    slowed = dataclasses.replace(tiny, model=SlowModel(tiny.model, 0.02))  # 240 tokens would take seconds
+    slowed = dataclasses.replace(tiny, model=SlowModel(tiny.model, 0.1))  # 240 tokens take 24 s at least: the client leaves long before
     body = {"model": REAL_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 240, "ignore_eos": True, "stream": True}
     async with real_worker(redis_url, slowed) as worker, running_gateway(redis_url) as url:
         async with aiohttp.ClientSession() as http:
@@ -28,8 +29,11 @@ async def test_a_client_leaving_mid_stream_frees_the_workers_pages(redis_url, ti
                     if b'"content":"' in line and b'"content":""' not in line:
                         break  # the first token arrived: leave
                 assert worker.engine.stats.kv_pages_used > 0
-        while worker.engine.stats.running or finished(worker, "cancelled") < 1:
-            await asyncio.sleep(0.02)
+
+        async def cancelled() -> bool:
+            return not worker.engine.stats.running and finished(worker, "cancelled") >= 1
+
+        await wait_for(cancelled, what="the worker to cancel the request the client left")
         assert worker.engine.stats.kv_pages_used == 0
         assert finished(worker, "length") == 0  # it did not run to the end
 

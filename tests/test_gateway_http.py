@@ -210,6 +210,6 @@ async def test_health_ready_models_and_metrics(redis_url, redis_client, http):
             assert response.status == 404
         async with http.get(url + "/metrics") as response:
             text = await response.text()
-            assert 'lmq_gateway_queue_depth{model="model-a"} 0.0' in text
-            assert 'lmq_gateway_errors_total{code="model_not_found"} 1.0' in text
-            assert "lmq_gateway_requests_total" in text
+            assert 'lmq_queue_depth{model="model-a"} 0.0' in text
+            assert 'lmq_errors_total{code="model_not_found"} 1.0' in text
+            assert "lmq_http_requests_total" in text

@@ -5,8 +5,10 @@ import argparse
 import pytest
 
 from gateway.config import GatewayConfig
+from lmq.cli import log_settings, parse_args
 from lmq.settings import add_flags, build
 from worker.config import WorkerConfig
+from lmq.checks import check_gateway, check_worker
 
 
 def parse(settings_class, argv):
@@ -32,3 +34,61 @@ def test_port_reads_plain_port_and_numbers_are_parsed():
 def test_a_malformed_environment_value_is_refused():
     with pytest.raises(ValueError, match="PORT='eighty' is not a valid int"):
         build(GatewayConfig, parse(GatewayConfig, []), {"PORT": "eighty"})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--log-level", "debug", "--log-format", "json", "serve"], ["serve", "--log-level", "DEBUG", "--log-format", "json"], ["--log-level", "INFO", "worker", "--log-level", "debug", "--log-format", "JSON"]],
+)
+def test_log_flags_go_before_or_after_the_subcommand(argv):
+    args = parse_args(argv)
+    assert log_settings(args, {}) == ("DEBUG", "json")
+    assert build(WorkerConfig, args, {}).log_format.lower() == "json"
+
+
+def test_log_settings_read_the_environment_and_refuse_nonsense():
+    args = parse_args(["gateway"])
+    assert log_settings(args, {}) == ("INFO", "text")
+    assert log_settings(args, {"LMQ_LOG_LEVEL": "warn", "LMQ_LOG_FORMAT": "json"}) == ("WARNING", "json")
+    assert log_settings(parse_args(["gateway", "--log-level", "ERROR"]), {"LMQ_LOG_LEVEL": "DEBUG"})[0] == "ERROR"
+    with pytest.raises(ValueError, match=r"LMQ_LOG_LEVEL \(--log-level\)"):
+        log_settings(args, {"LMQ_LOG_LEVEL": "loud"})
+    with pytest.raises(ValueError, match=r"LMQ_LOG_FORMAT \(--log-format\)"):
+        log_settings(args, {"LMQ_LOG_FORMAT": "xml"})
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(dtype="bogus"), r"LMQ_DTYPE \(--dtype\) must be one of auto, float32, bfloat16, float16, not 'bogus'"),
+        (dict(quant="int3"), r"LMQ_QUANT \(--quant\)"),
+        (dict(kv_memory="lots"), r"LMQ_KV_MEMORY \(--kv-memory\) must be a size"),
+        (dict(kv_memory="0GiB"), r"LMQ_KV_MEMORY \(--kv-memory\) must be more than 0"),
+        (dict(model="/nonexistent/model.gguf"), r"LMQ_MODEL \(--model\): no such file or directory: /nonexistent/model.gguf"),
+        (dict(max_seqs=0), r"LMQ_MAX_SEQS \(--max-seqs\) must be at least 1"),
+        (dict(metrics_port=70000), r"LMQ_METRICS_PORT \(--metrics-port\) must be between 0 and 65535"),
+        (dict(log_format="xml"), r"LMQ_LOG_FORMAT"),
+    ],
+)
+def test_worker_settings_are_checked_before_anything_starts(settings, message):
+    with pytest.raises(ValueError, match=message):
+        check_worker(WorkerConfig(**settings))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(port=0), r"PORT \(--port\) must be between 1 and 65535"),
+        (dict(request_timeout=0.0), r"LMQ_REQUEST_TIMEOUT \(--request-timeout\) must be more than 0"),
+        (dict(api_keys_file="/nonexistent/keys"), r"LMQ_API_KEYS_FILE \(--api-keys-file\): cannot read /nonexistent/keys"),
+        (dict(log_level="chatty"), r"LMQ_LOG_LEVEL"),
+    ],
+)
+def test_gateway_settings_are_checked_before_anything_starts(settings, message):
+    with pytest.raises(ValueError, match=message):
+        check_gateway(GatewayConfig(**settings))
+
+
+def test_the_defaults_pass_the_checks():
+    check_gateway(GatewayConfig())
+    check_worker(WorkerConfig())

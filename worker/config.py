@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTS = ("auto", "none", "int8", "int4")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def _default_worker_id() -> str:
@@ -29,3 +35,17 @@ class WorkerConfig:
     max_attempts: int = field(default=3, metadata={"help": "runs of one request before it goes to the dead-letter stream"})
     grace_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, time to finish running requests"})
     metrics_port: int = field(default=0, metadata={"help": "port for Prometheus /metrics; 0 = off"})
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object a line"})
+    otlp_endpoint: str = field(default="", metadata={"help": "OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces); empty = tracing off"})
+
+
+def parse_kv_memory(text: str) -> int | None:
+    """'auto' → None (the engine picks); '512MiB', '4GiB', '1.5G', '1048576' → bytes."""
+    if text.strip().lower() == "auto":
+        return None
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a memory size: {text!r} (try 512MiB or 4GiB)")
+    unit = (match.group(2) or "").upper()[:1]
+    return int(float(match.group(1)) * _UNITS[unit])

@@ -117,12 +117,14 @@ class Engine:
         max_seqs: int = 64,
         step_tokens: int = 512,
         on_step: Callable[[list[SeqOutput]], None],
+        on_step_seconds: Callable[[float], None] | None = None,
     ) -> None:
         self.model = model
         self.max_context = model.config.max_context
         self.kv = compute_thread.run(_make_kv_cache, model, kv_memory_bytes, page_size, max_seqs)
         self.scheduler = Scheduler(self.kv, max_seqs=max_seqs, step_tokens=step_tokens, max_context=self.max_context)
         self._on_step = on_step
+        self._on_step_seconds = on_step_seconds  # each step's duration (the metrics' histogram)
         self._wake = asyncio.Event()
         self._incoming: list[GenRequest] = []
         self._cancels: list[str] = []
@@ -277,6 +279,8 @@ class Engine:
         finally:
             self._last_step_seconds = time.perf_counter() - started
             self._steps += 1
+            if self._on_step_seconds is not None:
+                self._on_step_seconds(self._last_step_seconds)
         self.scheduler.complete(plan)
         self._tokens_generated += len(tokens)
         return [self._append(self._active[item.seq.id], token) for item, token in zip(samplers, tokens)]

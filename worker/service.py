@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import signal
 import time
 from typing import Iterator
@@ -34,7 +33,7 @@ from protocol import (
 from protocol.redis_client import connect
 from worker import compute_thread
 from worker.claims import Entry, RequestStream, is_missing_group
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, parse_kv_memory  # parse_kv_memory: also imported from here
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.heartbeat import heartbeat_loop
 from worker.metrics import WorkerMetrics
@@ -49,21 +48,6 @@ READ_BLOCK_MS = 1000
 REDIS_RETRY_S = 1.0
 CANCEL_MEMORY_S = 120.0  # a cancellation for a request not yet started is remembered this long
 HOLDER_MARGIN_S = 60  # a request's holder key outlives its deadline by this much
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_kv_memory(text: str) -> int | None:
-    """'auto' → None (the engine picks); '512MiB', '4GiB', '1.5G', '1048576' → bytes."""
-    if text.strip().lower() == "auto":
-        return None
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"not a memory size: {text!r} (try 512MiB or 4GiB)")
-    unit = (match.group(2) or "").upper()[:1]
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
 async def run_worker(config: WorkerConfig, *, model: LoadedModel | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (by default: until SIGTERM), then drain; cancelling stops at once."""
     if config.threads > 0:
@@ -93,9 +77,10 @@ class Worker:
             max_seqs=config.max_seqs,
             step_tokens=config.step_tokens,
             on_step=self._on_step,
+            on_step_seconds=lambda seconds: self.metrics.observe_step(seconds),
         )
-        self.metrics = WorkerMetrics(lambda: self.engine.stats)
-        self.table = RequestTable(self.publisher, lambda outcome: self.metrics.finished.labels(outcome).inc())
+        self.metrics = WorkerMetrics(self.model_name, lambda: self.engine.stats)
+        self.table = RequestTable(self.publisher, self.metrics.count_finished)
         self._room = asyncio.Event()
         self._early_cancels: dict[str, float] = {}  # request id -> when its cancellation arrived
 
@@ -271,6 +256,7 @@ class Worker:
             code, message = _rejection(exc)
             # The request ends here: forget its progress and holder, unless those belong to the other run of its id.
             forget = code != "duplicate_id"
+            log.info("request_id=%s refused: %s: %s", request.id, code, message, extra={"request_id": request.id})
             self.table.reject(entry.entry_id, raw, code, message, request_id=request.id, reply=request.reply, seq=len(streamed), forget=forget)
 
     async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
@@ -304,11 +290,19 @@ class Worker:
         )
         self.engine.add(GenRequest(request.id, prompt_ids, request.sampling, generated_ids=streamed))
         self.table.start(request, entry_id, len(streamed))
+        resumed = f", resuming after {len(streamed)} streamed tokens" if streamed else ""
+        log.info("request_id=%s started: %d prompt tokens%s", request.id, len(prompt_ids), resumed, extra={"request_id": request.id})
         if self._early_cancels.pop(request.id, None) is not None:
             self.engine.cancel(request.id)
 
     def _on_step(self, outputs: list[SeqOutput]) -> None:
         self.table.on_step(outputs)
+        for out in outputs:
+            if out.finish_reason is not None:
+                log.info(
+                    "request_id=%s finished: %s, %d prompt tokens (%d cached), %d completion tokens",
+                    out.id, out.finish_reason, out.prompt_tokens, out.cached_tokens, out.completion_tokens, extra={"request_id": out.id},
+                )  # fmt: skip
         self._room.set()
 
 

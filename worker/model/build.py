@@ -65,7 +65,8 @@ def build_model(
     """quant: none, int8 or int4 (int4 falls back to int8 for shapes its kernel cannot take)."""
     build = WeightBuilder(weights, dtype, quant, device)
     embed = build.tensor("model.embed_tokens.weight")
-    layers = [_layer(config, build, i) for i in tqdm(range(config.num_layers), desc=f"loading {name}", unit="layer")]
+    # disable=None: a progress bar only on a terminal, never `\r` lines in a log file
+    layers = [_layer(config, build, i) for i in tqdm(range(config.num_layers), desc=f"loading {name}", unit="layer", disable=None)]
     if config.tie_word_embeddings or "lm_head.weight" not in weights:
         lm_head = DenseLinear(embed, None)
     else:
