@@ -24,26 +24,39 @@ def is_loopback(url: str) -> bool:
 
 
 class ChatClient:
-    """One target: base URL (…/v1), model name, optional API key; shares one aiohttp session."""
+    """One target: base URL (…/v1), model name, optional API key; shares one aiohttp session.
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str = "", api_key: str = ""):
+    Every call is bounded: GET /models and the sizing probes by `probe_timeout_s`, a streamed request
+    by the timeout its caller gives. (aiohttp's own default is 5 minutes, as long as a test's limit.)
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str = "", api_key: str = "", probe_timeout_s: float = 60.0):
         self.session = session
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.probe_timeout_s = probe_timeout_s
 
     async def first_model(self) -> str:
-        async with self.session.get(f"{self.base_url}/models", headers=self.headers) as response:
-            response.raise_for_status()
-            return (await response.json())["data"][0]["id"]
+        url = f"{self.base_url}/models"
+        try:
+            async with self.session.get(url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as response:
+                response.raise_for_status()
+                return (await response.json())["data"][0]["id"]
+        except TimeoutError:
+            raise RuntimeError(f"GET {url}: no answer within {self.probe_timeout_s:g} s") from None
 
     async def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
         """usage.prompt_tokens of a one-token answer: the prompt's length after the chat template."""
         body = {"model": self.model, "messages": messages, "max_tokens": 1, "stream": False}
-        async with self.session.post(f"{self.base_url}/chat/completions", json=body, headers=self.headers) as response:
-            if response.status != 200:
-                raise RuntimeError(f"probe failed: HTTP {response.status}: {(await response.text())[:200]}")
-            usage = (await response.json()).get("usage") or {}
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
+        try:
+            async with self.session.post(f"{self.base_url}/chat/completions", json=body, headers=self.headers, timeout=timeout) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"probe failed: HTTP {response.status}: {(await response.text())[:200]}")
+                usage = (await response.json()).get("usage") or {}
+        except TimeoutError:
+            raise RuntimeError(f"probe failed: no answer within {self.probe_timeout_s:g} s") from None
         if "prompt_tokens" not in usage:
             raise RuntimeError("the target reports no usage.prompt_tokens")
         return usage["prompt_tokens"]
@@ -73,7 +86,7 @@ class ChatClient:
                     result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 else:
                     await _read_stream(response, result)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as error:  # ValueError: a malformed chunk
+        except Exception as error:  # noqa: BLE001 - any failure (HTTP, timeout, a malformed chunk) is this request's error
             result.error = f"{type(error).__name__}: {error}"[:200]
         result.end = time.perf_counter()
         return result

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-mode", choices=["shared", "unique"], default="shared",
                         help="shared: one system prompt for all (cacheable); unique: each starts differently")  # fmt: skip
     parser.add_argument("--level-timeout", type=float, default=600.0, help="seconds a level may take; the rest count as errors")
+    parser.add_argument("--probe-timeout", type=float, default=60.0, help="seconds GET /models or one sizing probe may take")
     parser.add_argument("--label", default="", help="name of this run in the JSON")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--allow-remote", action="store_true", help="allow a target that is not on this machine")
@@ -87,8 +88,15 @@ async def build_workload(client: ChatClient, args: argparse.Namespace) -> list[l
     ]
 
 
+CANCEL_GRACE_S = 5.0  # for streams cut by the level timeout to unwind; a stream that will not is left behind
+
+
 async def run_level(client: ChatClient, bodies: list[dict], concurrency: int, timeout_s: float) -> tuple[list[RequestResult], float]:
-    """Run `bodies` from `concurrency` closed-loop streams; returns the results and the wall time."""
+    """Run `bodies` from `concurrency` closed-loop streams; returns the results and the wall time.
+
+    Bounded: after `timeout_s` the streams still running are cancelled and their requests counted as
+    errors, and the cancelled streams get CANCEL_GRACE_S to unwind, no more.
+    """
     pending = list(reversed(bodies))
     results: list[RequestResult] = []
 
@@ -101,7 +109,11 @@ async def run_level(client: ChatClient, bodies: list[dict], concurrency: int, ti
     _, unfinished = await asyncio.wait(tasks, timeout=timeout_s)
     for task in unfinished:
         task.cancel()
-    await asyncio.gather(*unfinished, return_exceptions=True)
+    if unfinished:
+        await asyncio.wait(unfinished, timeout=CANCEL_GRACE_S)
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # a bug in this file, not a failed request (stream_chat records those)
     wall = time.perf_counter() - started
     cut = len(bodies) - len(results)
     results += [RequestResult(start=started, end=started + wall, error="cut by --level-timeout") for _ in range(cut)]
@@ -113,7 +125,7 @@ async def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"refusing non-loopback target {args.url} (pass --allow-remote to benchmark it)")
     connector = aiohttp.TCPConnector(limit=0, force_close=True)  # no stale keep-alive races
     async with aiohttp.ClientSession(connector=connector) as session:
-        client = ChatClient(session, args.url, args.model, args.api_key)
+        client = ChatClient(session, args.url, args.model, args.api_key, probe_timeout_s=args.probe_timeout)
         client.model = client.model or await client.first_model()
         workload = await build_workload(client, args)
         bodies = [client.chat_body(messages, args.max_tokens, args.ignore_eos) for messages in workload]

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from protocol import SamplingParams
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.model.loader import LoadedModel
 
-RUN_TIMEOUT = 10
+# A run fails when the engine goes this long without finishing a step: a hang, not a slow machine.
+# A whole run is not timed: on 2 loaded cores one tiny-model step can take a second, a real-model
+# prefill many seconds, and how many steps a run takes depends on the workload (pytest-timeout
+# still bounds the test).
+STALL_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -64,14 +69,16 @@ async def generate(
     by_id = {r.id: r for r in requests}
     unadded = {r.id for r in requests if r.id in joins}
     steps = 0
+    last_step = time.monotonic()
 
     def add(request_id: str) -> None:
         unadded.discard(request_id)
         engine.add(by_id[request_id])
 
     def on_step(outputs: list[SeqOutput]) -> None:
-        nonlocal steps
+        nonlocal steps, last_step
         steps += 1
+        last_step = time.monotonic()
         for output in outputs:
             results[output.id].add(output)
             if output.finish_reason is not None and output.id in after:
@@ -95,5 +102,20 @@ async def generate(
         add(by_step.pop(0)[1])
     if not unadded:
         engine.stop()
-    await asyncio.wait_for(engine.run(), RUN_TIMEOUT)
+    run = asyncio.ensure_future(engine.run())
+    try:
+        while not run.done():
+            await asyncio.wait([run], timeout=1.0)
+            stalled = time.monotonic() - last_step
+            if not run.done() and stalled > STALL_TIMEOUT_S:
+                stats = engine.stats
+                raise AssertionError(
+                    f"the engine finished no step for {stalled:.0f} s (after step {steps}; "
+                    f"running {stats.running}, waiting {stats.waiting}, not yet added {sorted(unadded)})"
+                )
+        run.result()
+    finally:
+        if not run.done():
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
     return results

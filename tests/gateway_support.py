@@ -22,6 +22,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from worker.config import WorkerConfig
 from worker.service import Worker
+from worker_helpers import stop_worker, wait_for
 
 MODEL = "tiny-test"  # the name scripted workers answer to
 REAL_MODEL = "tiny"  # the name real workers on the tiny model serve
@@ -119,13 +120,17 @@ async def real_worker(redis_url: str, model: Any, worker_id: str = "w1", **setti
     worker = Worker(config, model, redis)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
+
+    async def live() -> bool:
+        if task.done():
+            task.result()  # the worker failed to start: raise its error
+        return bool(await redis.exists(protocol.worker_key(worker_id)))
+
     try:
-        while not await redis.exists(protocol.worker_key(worker_id)):
-            if task.done():
-                task.result()  # the worker failed to start: raise its error
-            await asyncio.sleep(0.02)
+        await wait_for(live, what=f"worker {worker_id}'s heartbeat")
         yield worker
     finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await redis.aclose()
+        try:
+            await stop_worker(task, stop, config.grace_seconds)
+        finally:
+            await redis.aclose()

@@ -9,6 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,19 +34,34 @@ def count_prompt_tokens(messages: list[dict]) -> int:
 
 
 class FakeOpenAI:
-    def __init__(self, fail_every: int = 0, token_delay_s: float = 0.0):
+    """stall: "models" never answers GET /models, "stream" never answers a streamed request (until `release`)."""
+
+    def __init__(self, fail_every: int = 0, token_delay_s: float = 0.0, stall: str = ""):
         self.fail_every = fail_every
         self.token_delay_s = token_delay_s
+        self.stall = stall
+        self.release = asyncio.Event()  # set at teardown, so that stalled handlers end
         self.probes: list[list[dict]] = []
         self.streams: list[dict] = []
+        self.started = self.answered = 0  # requests that reached a handler / that it finished
+
+    @web.middleware
+    async def count(self, request: web.Request, handler):
+        self.started += 1
+        try:
+            return await handler(request)
+        finally:
+            self.answered += 1
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self.count])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
         return app
 
     async def models(self, request: web.Request) -> web.Response:
+        if self.stall == "models":
+            await self.release.wait()
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -53,6 +73,8 @@ class FakeOpenAI:
             message = {"role": "assistant", "content": "ok"}
             return web.json_response({"choices": [{"index": 0, "message": message, "finish_reason": "length"}], "usage": usage})
         self.streams.append(body)
+        if self.stall == "stream":
+            await self.release.wait()
         if self.fail_every and len(self.streams) % self.fail_every == 0:
             return web.json_response({"error": {"message": "busy"}}, status=503)
         return await self.stream(request, body, prompt_tokens)
@@ -76,27 +98,84 @@ class FakeOpenAI:
         return response
 
 
+SERVING: list[FakeOpenAI] = []  # the fake server of the running test, for failure reports
+
+
 @pytest.fixture
 async def fake_server(request):
     fake = FakeOpenAI(**getattr(request, "param", {}))
+    SERVING.append(fake)
     runner = web.AppRunner(fake.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     yield fake, f"http://127.0.0.1:{port}/v1"
+    SERVING.remove(fake)
+    fake.release.set()
     await runner.cleanup()
 
 
-async def run_cli(args: list[str]) -> tuple[int, dict]:
-    """serve.main in a thread (it runs its own event loop), returning its exit code and JSON report."""
-    import tempfile
-    from pathlib import Path
+# The fake server answers at once, so every bound below is for a broken run only. The load generator's
+# own timeouts come first and turn a stalled request into a reported error; the thread's deadline is
+# the backstop, well inside pytest-timeout's 300 s.
+PROBE_TIMEOUT_S = 30.0
+LEVEL_TIMEOUT_S = 60.0
+RUN_DEADLINE_S = 150.0
 
+
+async def run_cli(args: list[str]) -> tuple[int, dict]:
+    """serve.main in a thread (it runs its own event loop), returning its exit code and JSON report.
+
+    The thread is a daemon thread of its own, not the event loop's shared executor: if serve.main ever
+    hangs, this fails after RUN_DEADLINE_S with the thread's stack, and the stuck thread neither takes
+    an executor slot from later tests nor keeps the interpreter from exiting.
+    """
+    defaults = {"--probe-timeout": str(PROBE_TIMEOUT_S), "--level-timeout": str(LEVEL_TIMEOUT_S)}
+    args = [*args, *(item for flag, value in defaults.items() if flag not in args for item in (flag, value))]
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "report.json"
-        code = await asyncio.to_thread(serve.main, [*args, "--json", str(out)])
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[int] = loop.create_future()
+
+        def settle(code: int | None, error: BaseException | None) -> None:
+            if finished.done():
+                return
+            if error is not None:
+                finished.set_exception(error)
+            else:
+                finished.set_result(code)
+
+        def target() -> None:
+            try:
+                code = serve.main([*args, "--json", str(out)])
+            except BaseException as error:  # noqa: BLE001 - handed to the test, which raises it
+                loop.call_soon_threadsafe(settle, None, error)
+            else:
+                loop.call_soon_threadsafe(settle, code, None)
+
+        thread = threading.Thread(target=target, name="bench-serve", daemon=True)
+        thread.start()
+        try:
+            code = await asyncio.wait_for(asyncio.shield(finished), RUN_DEADLINE_S)
+        except TimeoutError:
+            frame = sys._current_frames().get(thread.ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the thread has ended)"
+            error = AssertionError(f"bench/serve.py did not finish within {RUN_DEADLINE_S} s; its thread is at:\n{stack}")
+            _describe_the_server(error)
+            raise error from None
+        except BaseException as error:
+            _describe_the_server(error)
+            raise
         return code, json.loads(out.read_text())
+
+
+def _describe_the_server(error: BaseException) -> None:
+    """Note on a failure what the fake server saw and what else this event loop runs."""
+    for fake in SERVING:
+        error.add_note(f"the fake server: {fake.started} requests reached a handler, {fake.answered} were answered")
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    error.add_note(f"other tasks on the test's event loop: {[task.get_coro() for task in others][:20]}")
 
 
 def test_percentile_matches_numpy():
@@ -205,3 +284,21 @@ async def test_system_prefix_modes(fake_server, mode):
     assert all(s["role"] == "system" and s != STAND_IN_SYSTEM for s in systems)
     assert all(abs(len(s["content"].split()) + TOKENS_PER_MESSAGE - 80) <= 6 for s in systems)
     assert len({s["content"] for s in systems}) == (1 if mode == "shared" else len(systems))
+
+
+@pytest.mark.parametrize("fake_server", [{"stall": "models"}], indirect=True)
+async def test_a_target_that_never_answers_is_a_prompt_error_not_a_hang(fake_server):
+    fake, url = fake_server
+    with pytest.raises(RuntimeError, match="no answer within 0.5 s"):
+        await run_cli(["--url", url, "--concurrency", "1", "--requests", "1", "--warmup", "0", "--probe-timeout", "0.5"])
+
+
+@pytest.mark.parametrize("fake_server", [{"stall": "stream"}], indirect=True)
+async def test_streams_that_never_answer_are_cut_by_the_level_timeout(fake_server):
+    fake, url = fake_server
+    code, report = await run_cli(["--url", url, "--concurrency", "2", "--requests", "3", "--warmup", "1",
+                                  "--max-tokens", "4", "--level-timeout", "0.5"])  # fmt: skip
+    [level] = report["levels"]
+    assert code == 1  # nothing completed
+    assert (level["completed"], level["errors"]) == (0, 3)
+    assert all("timeout" in sample.lower() for sample in level["error_samples"])

@@ -16,6 +16,7 @@ import anthropic
 import openai
 import pytest
 from gateway_support import MODEL, announce, finish, publish, running_gateway, take_request, words_script, worker_running
+from worker_helpers import wait_for
 
 import protocol
 
@@ -43,9 +44,15 @@ async def post_sse(url: str, body: dict) -> list[tuple[str | None, str]]:
             return parse_sse(await response.text())
 
 
+WAIT_S = 60.0  # for what takes milliseconds on an idle machine; only a failing test waits this long
+
+
 @pytest.fixture
 async def gateway_url(redis_url):
-    async with running_gateway(redis_url, pickup_timeout=5.0) as url:
+    # Generous pickup time (the scripted worker picks a request up at once, however slowly), and no
+    # keep-alive ping inside these short streams however long a busy machine pauses between events:
+    # the tests check exact event sequences.
+    async with running_gateway(redis_url, pickup_timeout=WAIT_S, keepalive_seconds=3600.0) as url:
         yield url
 
 
@@ -241,7 +248,7 @@ async def test_a_client_leaving_mid_stream_cancels_the_request(gateway_url, redi
             if not cancelled.empty():
                 break
             await asyncio.sleep(0.02)
-        assert await asyncio.wait_for(cancelled.get(), 10) == request.id
+        assert await asyncio.wait_for(cancelled.get(), WAIT_S) == request.id
     await finish(redis_client, request, entry_id)
 
 
@@ -250,9 +257,8 @@ async def test_a_client_leaving_while_waiting_withdraws_the_request(gateway_url,
     stream = protocol.request_stream(MODEL)
     async with cancels_heard(redis_client) as cancelled, aiohttp.ClientSession() as http:
         call = asyncio.create_task(http.post(gateway_url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}))
-        while not await redis_client.xlen(stream):
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: redis_client.xlen(stream), what="the request in the stream", timeout=WAIT_S)
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
-        assert (await asyncio.wait_for(cancelled.get(), 10)).startswith("msg_")
+        assert (await asyncio.wait_for(cancelled.get(), WAIT_S)).startswith("msg_")
     assert await redis_client.xlen(stream) == 0  # no worker will run it

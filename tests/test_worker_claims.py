@@ -11,6 +11,8 @@ from protocol import REQUEST_GROUP
 from worker.claims import RequestStream
 
 STREAM = "lmq:req:test"
+HOUR_MS = 3_600_000
+CLAIM_IDLE_MS = 60_000  # far above any pause between two commands, far below an hour
 
 
 async def test_read_new_gives_each_entry_to_one_consumer(redis_client):
@@ -32,9 +34,12 @@ async def test_idle_entries_are_claimed_unless_kept(redis_client):
     await redis_client.xadd(STREAM, {"msg": "kept"})
     await redis_client.xadd(STREAM, {"msg": "abandoned"})
     kept, abandoned = await holder.read_new(count=2, block_ms=100)
-    await asyncio.sleep(0.3)
+    # Both entries were last delivered an hour ago (XCLAIM's IDLE backdates them; JUSTID leaves their
+    # delivery counts alone). Sleeping past a short claim time instead made the verdict depend on the
+    # machine: a pause longer than that claim time between keep and claim let the kept entry go too.
+    await redis_client.xclaim(STREAM, REQUEST_GROUP, "w1", 0, [kept.entry_id, abandoned.entry_id], idle=HOUR_MS, justid=True)
     await holder.keep([kept.entry_id])
-    claimed = await thief.claim_idle(min_idle_ms=200, count=10)
+    claimed = await thief.claim_idle(min_idle_ms=CLAIM_IDLE_MS, count=10)
     assert [e.entry_id for e in claimed] == [abandoned.entry_id]
     assert claimed[0].fields == {b"msg": b"abandoned"}
     assert await thief.delivery_count(abandoned.entry_id) == 2

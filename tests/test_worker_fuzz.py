@@ -14,7 +14,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_model import make_tiny_model
-from worker_helpers import MODEL, STREAM, chat_request, worker_config
+from worker_helpers import MODEL, STREAM, TIMEOUT_S, chat_request, worker_config
 
 import protocol
 from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, ProtocolError
@@ -39,21 +39,25 @@ def worker_url(tmp_path_factory, redis_server):
     redis.Redis.from_url(redis_server.url).flushall()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
-    thread = threading.Thread(target=loop.run_until_complete, args=(run_worker(worker_config(redis_server.url, "fuzzed"), model=tiny, stop=stop),))
+    # A daemon thread: should the worker never stop, the test fails below and the process can still exit.
+    worker = run_worker(worker_config(redis_server.url, "fuzzed"), model=tiny, stop=stop)
+    thread = threading.Thread(target=loop.run_until_complete, args=(worker,), name="fuzzed-worker", daemon=True)
     thread.start()
     client = redis.Redis.from_url(redis_server.url)
-    _wait(lambda: client.exists(protocol.worker_key("fuzzed")))
+    _wait(lambda: client.exists(protocol.worker_key("fuzzed")) or not thread.is_alive())
+    assert thread.is_alive(), "the worker thread ended at start"
     yield redis_server.url
     loop.call_soon_threadsafe(stop.set)
-    thread.join(30)
-    loop.close()
+    thread.join(TIMEOUT_S)
     client.close()
+    assert not thread.is_alive(), f"the worker did not stop within {TIMEOUT_S} s of its stop event"
+    loop.close()
 
 
-def _wait(check, timeout: float = 30.0) -> None:
+def _wait(check, timeout: float = TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out after {timeout} s"
         time.sleep(0.005)
 
 

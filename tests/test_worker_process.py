@@ -19,15 +19,31 @@ from worker.model.loader import load_model
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+START_TIMEOUT_S = 180.0  # a new Python process imports torch and loads the model: a minute on 2 busy cores
+GRACE_SECONDS = 120  # SIGTERM's drain is tested for finishing its requests, not for doing so quickly
+
+
+def _log_tail(log: pathlib.Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
 @pytest.fixture
-async def start_process(tiny_model_dir, redis_url, redis_client):
+async def start_process(tiny_model_dir, redis_url, redis_client, tmp_path):
     processes: list[subprocess.Popen] = []
 
     async def start(worker_id: str, step_seconds: float) -> subprocess.Popen:
         command = [sys.executable, str(REPO / "tests" / "worker_process.py"), str(tiny_model_dir), redis_url, worker_id, str(step_seconds)]
-        process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE)
+        env = {**os.environ, "PYTHONPATH": str(REPO), "LMQ_GRACE_SECONDS": str(GRACE_SECONDS)}
+        log = tmp_path / f"{worker_id}.log"
+        with log.open("wb") as output:  # a file, not a pipe nobody reads: a full pipe would block the worker's logging
+            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
         processes.append(process)
-        await wait_for(lambda: redis_client.exists(protocol.worker_key(worker_id)), what=f"worker {worker_id} to start")
+
+        async def live() -> bool:
+            assert process.poll() is None, f"worker {worker_id} exited with {process.returncode}:\n{_log_tail(log)}"
+            return bool(await redis_client.exists(protocol.worker_key(worker_id)))
+
+        await wait_for(live, what=f"worker {worker_id} to start", timeout=START_TIMEOUT_S)
         return process
 
     yield start
@@ -35,7 +51,6 @@ async def start_process(tiny_model_dir, redis_url, redis_client):
         if process.poll() is None:
             process.kill()
         process.wait()
-        process.stderr.close()
 
 
 async def _deltas(redis, reply_key: str, at_least: int) -> list[dict]:
@@ -47,7 +62,9 @@ async def _deltas(redis, reply_key: str, at_least: int) -> list[dict]:
 
 
 async def test_a_killed_workers_request_completes_coherently_on_another(tiny_model_dir, start_process, redis_url, redis_client):
-    doomed = await start_process("doomed", step_seconds=0.05)
+    # Each step takes at least 0.25 s, so the kill lands mid-generation unless this test stalls for
+    # 9 s between seeing the third delta and sending SIGKILL.
+    doomed = await start_process("doomed", step_seconds=0.25)
     await enqueue(redis_client, chat_request("victim", max_tokens=40))
     await _deltas(redis_client, "out:victim", at_least=3)
     doomed.send_signal(signal.SIGKILL)
@@ -68,11 +85,12 @@ async def test_a_killed_workers_request_completes_coherently_on_another(tiny_mod
 
 
 async def test_sigterm_finishes_running_requests_then_exits(start_process, redis_client):
-    draining = await start_process("draining", step_seconds=0.05)
+    # At least 0.1 s a step: SIGTERM finds the request running unless this test stalls for 2.8 s.
+    draining = await start_process("draining", step_seconds=0.1)
     await enqueue(redis_client, chat_request("last", max_tokens=30))
     await _deltas(redis_client, "out:last", at_least=2)
     draining.send_signal(signal.SIGTERM)
-    assert await asyncio.to_thread(draining.wait, 60) == 0
+    assert await asyncio.to_thread(draining.wait, GRACE_SECONDS + 60) == 0
     events = await reply_events(redis_client, "out:last")
     assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "length"
     assert len(streamed_tokens(events)) == 30

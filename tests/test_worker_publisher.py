@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -21,6 +22,19 @@ from protocol import (
 from worker.publisher import Publisher
 
 STREAM = "lmq:req:test"
+WAIT_S = 60.0  # for a message already published: it comes at once unless the machine is very busy
+
+
+async def subscribed(redis, channel: str):
+    """A pub/sub connection that Redis confirmed subscribed to `channel`: what is published next reaches it."""
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(channel)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        message = await pubsub.get_message(timeout=1)
+        if message is not None and message["type"] == "subscribe":
+            return pubsub
+    raise AssertionError(f"no confirmation of the subscription to {channel} within {WAIT_S} s")
 
 
 @pytest.fixture
@@ -32,14 +46,12 @@ async def publisher(redis_client):
 
 
 async def test_one_pubsub_message_per_channel_per_step(publisher, redis_client):
-    pubsub = redis_client.pubsub()
-    await pubsub.subscribe("lmq:reply:g1")
-    await pubsub.get_message(timeout=1)  # the subscribe confirmation
+    pubsub = await subscribed(redis_client, "lmq:reply:g1")
     reply = Reply("pubsub", "lmq:reply:g1")
     publisher.send("1-1", reply, delta_event("a", 0, "Hel", [1, 2], 0))
     publisher.send("1-2", reply, delta_event("b", 0, "Yo", [3], 0))
     await publisher.flush()
-    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=WAIT_S)
     assert [e["id"] for e in decode_event_batch(message["data"])] == ["a", "b"]
     assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2) is None
     await pubsub.aclose()
@@ -92,14 +104,12 @@ async def test_a_refused_reply_fails_its_request_alone(redis_client):
 
 
 async def test_a_batch_of_many_events_is_the_protocols_own_encoding(publisher, redis_client):
-    pubsub = redis_client.pubsub()
-    await pubsub.subscribe("lmq:reply:g1")
-    await pubsub.get_message(timeout=1)
+    pubsub = await subscribed(redis_client, "lmq:reply:g1")
     events = [delta_event(f"r{i}", 0, "x", [i], 0) for i in range(20)]  # past msgpack's 15-item fixarray
     for i, event in enumerate(events):
         publisher.send(f"1-{i}", Reply("pubsub", "lmq:reply:g1"), event)
     await publisher.flush()
-    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=WAIT_S)
     assert message["data"] == encode_event_batch(events)
     await pubsub.aclose()
 

@@ -44,20 +44,25 @@ async def test_a_request_streams_deltas_then_done_and_leaves_nothing_behind(tiny
 
 
 async def test_two_workers_share_one_stream(tiny, redis_url, redis_client):
-    async with running_worker(worker_config(redis_url, "w1", max_seqs=2), tiny) as first:
-        async with running_worker(worker_config(redis_url, "w2", max_seqs=2), tiny) as second:
+    # Neither worker dies, so neither may claim the other's entries: with the tests' usual 600 ms
+    # claim time, a keep-alive delayed by a loaded machine would let one take over the other's request.
+    settings = dict(max_seqs=2, claim_idle_ms=60_000)
+    async with running_worker(worker_config(redis_url, "w1", **settings), tiny) as first:
+        async with running_worker(worker_config(redis_url, "w2", **settings), tiny) as second:
             ids = [f"r{i}" for i in range(8)]
             for request_id in ids:
                 await enqueue(redis_client, chat_request(request_id, max_tokens=24))
             for request_id in ids:
                 assert (await final_events(redis_client, f"out:{request_id}"))[-1]["type"] == "done"
-            served = [w.metrics.registry.get_sample_value("lmq_requests_finished_total", {"outcome": "length"}) or 0 for w in (first, second)]
+            served = [w.metrics.registry.get_sample_value("lmq_requests_finished_total", {"model": "tiny", "outcome": "length"}) or 0 for w in (first, second)]
     assert sum(served) == 8
     assert min(served) > 0
 
 
 async def test_cancellation_stops_the_sequence_and_frees_its_pages(tiny, redis_url, redis_client):
-    async with running_worker(worker_config(redis_url, "w1"), tiny) as worker:
+    # At least 0.05 s a step: 200 tokens take 10 s, so the cancel always lands mid-generation.
+    slow = dataclasses.replace(tiny, model=SlowModel(tiny.model, step_seconds=0.05))
+    async with running_worker(worker_config(redis_url, "w1"), slow) as worker:
         await enqueue(redis_client, chat_request("long", max_tokens=200))
         await wait_for(lambda: reply_events(redis_client, "out:long"), what="a first delta")
         await redis_client.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message("long"))
@@ -95,7 +100,9 @@ async def test_bad_entries_are_answered_dead_lettered_acked_and_the_worker_goes_
 
 
 async def test_a_duplicate_id_is_refused_while_the_first_runs(tiny, redis_url, redis_client):
-    async with running_worker(worker_config(redis_url, "w1"), tiny):
+    # At least 0.05 s a step: the first twin runs for 10 s, so the second always arrives while it runs.
+    slow = dataclasses.replace(tiny, model=SlowModel(tiny.model, step_seconds=0.05))
+    async with running_worker(worker_config(redis_url, "w1"), slow):
         await enqueue(redis_client, chat_request("twin", max_tokens=200))
         await wait_for(lambda: reply_events(redis_client, "out:twin"), what="a first delta")
         await enqueue(redis_client, chat_request("twin", max_tokens=4))
@@ -132,9 +139,11 @@ async def test_retry_limit_moves_the_entry_to_the_dead_letters(tiny, redis_url, 
 
 
 async def test_a_request_past_its_deadline_while_running_times_out(tiny, redis_url, redis_client):
-    slow = dataclasses.replace(tiny, model=SlowModel(tiny.model, step_seconds=0.02))
+    # 200 steps of at least 0.1 s cannot finish within the 3 s deadline, and 3 s leave a loaded
+    # machine time to start the request and stream some of it first (within 0.5 s it might not).
+    slow = dataclasses.replace(tiny, model=SlowModel(tiny.model, step_seconds=0.1))
     async with running_worker(worker_config(redis_url, "w1", claim_idle_ms=300), slow) as worker:
-        await enqueue(redis_client, chat_request("slow", max_tokens=200, deadline_s=0.5))
+        await enqueue(redis_client, chat_request("slow", max_tokens=200, deadline_s=3.0))
         events = await final_events(redis_client, "out:slow")
         assert worker.engine.stats.kv_pages_used == 0
     assert events[-1]["type"] == "error"
