@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import subprocess
 
@@ -200,3 +201,25 @@ async def _answers(client) -> bool:
         return await client.ping()
     except RedisError:
         return False
+
+
+async def test_stopping_survives_a_task_that_swallows_its_cancellation():
+    """redis-py (and Python 3.11's wait_for) can lose a cancellation: the worker's stop must not hang on it."""
+    from worker.service import _cancel
+
+    swallowed = 0
+
+    async def stubborn() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                swallowed += 1
+                if swallowed > 1:
+                    raise
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(_cancel([task]), 10)
+    assert task.cancelled() and swallowed == 2

@@ -48,6 +48,7 @@ READ_BLOCK_MS = 1000
 REDIS_RETRY_S = 1.0
 CANCEL_MEMORY_S = 120.0  # a cancellation for a request not yet started is remembered this long
 HOLDER_MARGIN_S = 60  # a request's holder key outlives its deadline by this much
+CANCEL_TRIES, CANCEL_WAIT_S = 10, 1.0
 async def run_worker(config: WorkerConfig, *, model: LoadedModel | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (by default: until SIGTERM), then drain; cancelling stops at once."""
     if config.threads > 0:
@@ -352,6 +353,15 @@ async def _pause_after(error: RedisError) -> None:
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    """Cancel and await the tasks. A cancellation can be lost (redis-py and Python 3.11's wait_for may
+    swallow one that lands as a connection completes), so a task still running is cancelled again."""
+    for _ in range(CANCEL_TRIES):
+        running = [task for task in tasks if not task.done()]
+        if not running:
+            break
+        for task in running:
+            task.cancel()
+        await asyncio.wait(running, timeout=CANCEL_WAIT_S)
+    else:
+        log.error("tasks did not stop when cancelled: %s", [task.get_name() for task in tasks if not task.done()])
+    await asyncio.gather(*(task for task in tasks if task.done()), return_exceptions=True)
