@@ -171,11 +171,25 @@ async def run_cli(args: list[str]) -> tuple[int, dict]:
 
 
 def _describe_the_server(error: BaseException) -> None:
-    """Note on a failure what the fake server saw and what else this event loop runs."""
+    """Note on a failure what the fake server saw and what else this event loop runs and watches.
+
+    (A request that never reaches a handler while the loop runs means the loop never saw its socket:
+    one way is a selector entry left behind for a file descriptor closed and then reused.)
+    """
     for fake in SERVING:
         error.add_note(f"the fake server: {fake.started} requests reached a handler, {fake.answered} were answered")
     others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
     error.add_note(f"other tasks on the test's event loop: {[task.get_coro() for task in others][:20]}")
+    try:
+        watched = []
+        for fd, key in asyncio.get_running_loop()._selector.get_map().items():  # private: diagnostics only
+            for handle in filter(None, key.data or ()):
+                owner = getattr(getattr(handle, "_callback", None), "__self__", None)
+                sock = getattr(owner, "_sock", None)
+                watched.append(f"fd {fd}: {type(owner).__name__}" + ("" if sock is None or sock.fileno() == fd else f" STALE (its socket is now fd {sock.fileno()})"))
+        error.add_note(f"file descriptors the loop watches: {watched}")
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not hide the failure
+        error.add_note(f"(could not list the loop's selector: {exc!r})")
 
 
 def test_percentile_matches_numpy():

@@ -11,7 +11,10 @@ from worker.engine import GenRequest
 from worker.model.loader import LoadedModel, load_model
 from worker.prompt import build_prompt_ids
 
-pytestmark = pytest.mark.slow
+# Real work: 13 s on 2 idle cores, over 100 s with the cores busy. A hang fails sooner, in
+# engine_runs' watchdog (no engine step for STALL_TIMEOUT_S); pytest-timeout's 300 s would cut a slow
+# machine's honest run.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ def build(specs: list[dict]) -> tuple[list[GenRequest], dict[str, int], dict[str
     return requests, joins, cancels
 
 
+@pytest.mark.timeout(900)  # 100 engine runs: 30 s idle, 60-80 s on busy cores; engine_runs' watchdog catches a hang
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     specs=st.lists(request_spec, min_size=1, max_size=8),
