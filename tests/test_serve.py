@@ -9,13 +9,13 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import anthropic
 import openai
 import pytest
 import redis
+from process_logs import wait_for_line
 
 from lmq.redis_server import free_tcp_port
 
@@ -23,17 +23,6 @@ slow = pytest.mark.slow  # the tests on the real default model
 
 MODEL = "SmolLM2-135M-Instruct"
 READY_TIMEOUT_S = 180
-
-
-def _wait_for_line(log: pathlib.Path, process: subprocess.Popen, marker: str, timeout: float) -> list[str]:
-    """The lines logged until one contains `marker`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        lines = log.read_text().splitlines()
-        if any(marker in line for line in lines):
-            return lines
-        time.sleep(0.2)
-    raise AssertionError(f"no {marker!r} line within {timeout} s; output:\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +41,7 @@ def served(tmp_path_factory):
             stderr=subprocess.STDOUT,
         )
     try:
-        lines = _wait_for_line(log, process, "lmq: ready", READY_TIMEOUT_S)
+        lines = wait_for_line(log, process, "lmq: ready", READY_TIMEOUT_S)
         redis_url = next(line.split(" at ", 1)[1].strip() for line in lines if "embedded Redis" in line)
         yield f"http://127.0.0.1:{port}", redis_url, process
     finally:
@@ -131,9 +120,9 @@ def test_two_servers_in_one_directory_each_have_their_own_redis(tmp_path, tiny_m
     first = _start(tmp_path, ports[0], env, logs[0])
     second = None
     try:
-        lines = [_wait_for_line(logs[0], first, "lmq: ready", READY_TIMEOUT_S)]
+        lines = [wait_for_line(logs[0], first, "lmq: ready", READY_TIMEOUT_S)]
         second = _start(tmp_path, ports[1], env, logs[1])
-        lines.append(_wait_for_line(logs[1], second, "lmq: ready", READY_TIMEOUT_S))
+        lines.append(wait_for_line(logs[1], second, "lmq: ready", READY_TIMEOUT_S))
         urls = [next(line.split(" at ", 1)[1].strip() for line in found if "embedded Redis" in line) for found in lines]
         assert urls[0] != urls[1]
         pids = [redis.Redis.from_url(url).info("server")["process_id"] for url in urls]

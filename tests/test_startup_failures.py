@@ -14,6 +14,7 @@ import time
 
 import pytest
 import redis
+from process_logs import wait_for_line
 
 from lmq.redis_server import EmbeddedRedis, free_tcp_port
 from lmq.serve import FatalError, check_redis
@@ -154,23 +155,13 @@ def test_a_port_in_use(workdir: pathlib.Path) -> None:
 # ---------------------------------------------------------------- a part of `lmq serve` dies
 
 
-def wait_for_line(path: pathlib.Path, process: subprocess.Popen, marker: str, timeout: float = 120) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        lines = path.read_text().splitlines()
-        if any(marker in line for line in lines):
-            return lines
-        time.sleep(0.2)
-    raise AssertionError(f"no {marker!r} within {timeout} s: {path.read_text()}")
-
-
 def test_serve_exits_when_its_redis_dies(workdir: pathlib.Path, tmp_path_factory, tiny_model_dir: pathlib.Path) -> None:
     env = clean_environment(LMQ_MODEL=str(tiny_model_dir), LMQ_DTYPE="float32", LMQ_QUANT="none", LMQ_KV_MEMORY="4MiB")
     logs = tmp_path_factory.mktemp("logs")
     with (logs / "out").open("w") as out, (logs / "err").open("w") as err:
         process = subprocess.Popen([sys.executable, "-m", "lmq", "serve", "--port", str(free_tcp_port())], cwd=workdir, env=env, stdout=out, stderr=err)
     try:
-        lines = wait_for_line(logs / "out", process, "lmq: ready")
+        lines = wait_for_line(logs / "out", process, "lmq: ready", timeout=120)
         url = next(line.split(" at ", 1)[1].strip() for line in lines if "embedded Redis" in line)
         os.kill(redis.Redis.from_url(url).info("server")["process_id"], signal.SIGKILL)
         assert process.wait(timeout=EXIT_WITHIN_S) != 0

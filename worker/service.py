@@ -33,7 +33,7 @@ from protocol import (
 from protocol.redis_client import connect
 from worker import compute_thread
 from worker.claims import Entry, RequestStream, is_missing_group
-from worker.config import WorkerConfig, parse_kv_memory  # parse_kv_memory: also imported from here
+from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.heartbeat import heartbeat_loop
 from worker.metrics import WorkerMetrics
