@@ -37,3 +37,9 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .lmq .pytest_cache .hypothesis
+
+# The CUDA path verified and measured on a GPU machine in one run (docs/gpu.md); no venv, no network:
+# the machine's own python3, the wheels it lacks carried in .gpu-wheels (bench/gpu_wheels.sh).
+.PHONY: gpu-check
+gpu-check:
+	$(PYTHON) -m bench.gpu_check --out $(or $(OUT),bench/results/gpu)

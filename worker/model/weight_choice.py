@@ -1,0 +1,126 @@
+"""`--quant auto` on a CPU: the fastest weights for each size of step, measured at start-up on this CPU.
+
+Which weights are fastest depends on the CPU and on how many rows a step multiplies. The int4 and
+int8 kernels read half or a quarter of the bytes of bfloat16 weights but dequantize them again for
+every few rows, so they win at one to a few rows and lose at many; oneDNN's packed bfloat16 GEMM
+(AMX where the CPU has it) reads its weights once for any number of rows. Which quantized kernel is
+faster, and where the crossover lies, differ between CPUs (Intel with AMX and AMD Zen 4 here), so
+they are measured, not assumed: one layer's linear shapes of the model being loaded, random weights,
+each candidate at 1 to 32 rows, best of a few runs (about a second), on one thread and timed by that
+thread's CPU time, so that other processes on the cores do not decide the choice.
+
+Every candidate meets the quality bar of docs/weight-modes.md (tests/test_reference.py): int4 and
+dense bfloat16 with a mean KL from float32 below 0.005, int8 below 0.015. int4 is preferred unless
+int8 is clearly faster, being 4x closer to float32. The output head runs on int8 weights (per row)
+for small steps, which keeps int4 within its bar (mean KL 0.0023 with the head in int8, 0.0011
+without; tests/test_weight_choice.py), and on packed bfloat16 for large ones.
+
+The dense copies cost 2 bytes per weight on top of the quantized ones, so they are kept only when
+they take at most DENSE_MEMORY_SHARE of the memory available at start-up; otherwise every step runs
+on the quantized weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.model.config import ModelConfig
+from worker.model.quant_linear import Int4Linear, Int8Linear, PackedLinear, int4_supported, packed_linear_supported, quantize_int4
+
+log = logging.getLogger(__name__)
+
+ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
+INT8_MARGIN = 0.9  # int8 replaces int4 only when it takes less than this share of int4's time at one row
+# Dense weights take over where they need at most this share of the quantized weights' time. The measurement runs
+# with the weights in cache; inside a model the dense weights, 3-4x the bytes, come from further away (measured in a
+# decode step on the Intel machine: dense took 1.04-1.2x the time of int4 at 8 rows, 0.8-0.9x at 16, 0.5x at 64).
+DENSE_MARGIN = 0.7
+DENSE_MEMORY_SHARE = 0.25
+MEASURED_ROWS_CAP = 2048  # output rows of each measured shape: the time per row is what counts, not the model's size
+
+
+@dataclass(frozen=True)
+class WeightChoice:
+    quant: str  # the weights of small steps: int4 or int8
+    dense_from_rows: int | None  # steps of this many rows or more run on packed dense copies; None: never
+    micros: dict[str, dict[int, float]]  # measured µs of one layer's linears, per candidate and rows
+
+    def describe(self) -> str:
+        dense = f", packed bfloat16 from {self.dense_from_rows} rows" if self.dense_from_rows else ""
+        table = "; ".join(f"{mode} " + " ".join(f"{rows}:{us:.0f}" for rows, us in times.items()) for mode, times in self.micros.items())
+        return f"{self.quant} weights for small steps{dense} (µs per layer by rows: {table})"
+
+
+def layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of one layer's fused linears: q/k/v, o, gate/up, down (an expert's, for mixtures of experts)."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    return [(q + 2 * kv, hidden), (hidden, q), (2 * intermediate, hidden), (hidden, intermediate)]
+
+
+def choose_cpu_weights(config: ModelConfig, dtype: torch.dtype, dense_bytes: int) -> WeightChoice:
+    """dense_bytes: what packed dense copies of every linear would take."""
+    device = torch.device("cpu")
+    shapes = [(min(n, MEASURED_ROWS_CAP), k) for n, k in layer_shapes(config)]
+    candidates = {"int8": _layer(shapes, "int8", dtype)}
+    if all(int4_supported(shape, device) for shape in shapes):
+        candidates["int4"] = _layer(shapes, "int4", dtype)
+    if packed_linear_supported(device, dtype) and dense_bytes <= DENSE_MEMORY_SHARE * available_memory():
+        candidates["dense"] = _layer(shapes, "dense", dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread's CPU time: blind to other processes on the cores, which stall parallel kernels
+    try:
+        micros = {mode: {rows: _time(layer, rows, dtype) for rows in ROWS} for mode, layer in candidates.items()}
+    finally:
+        torch.set_num_threads(threads)
+    quant = "int4" if "int4" in micros and micros["int8"][1] >= INT8_MARGIN * micros["int4"][1] else "int8"
+    dense_from = None
+    if "dense" in micros:
+        dense_from = next((rows for rows in ROWS if micros["dense"][rows] <= DENSE_MARGIN * micros[quant][rows]), None)
+    return WeightChoice(quant=quant, dense_from_rows=dense_from, micros=micros)
+
+
+def available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 30
+
+
+def _layer(shapes: list[tuple[int, int]], mode: str, dtype: torch.dtype) -> list[tuple[torch.nn.Module, int]]:
+    """One layer's linears in `mode` from random weights, each with its input width."""
+    generator = torch.Generator().manual_seed(0)
+    layer = []
+    for n, k in shapes:
+        weight = torch.randn(n, k, generator=generator) * 0.02
+        if mode == "int4":
+            module: torch.nn.Module = Int4Linear(quantize_int4(weight), None, dtype)
+        elif mode == "int8":
+            module = Int8Linear(weight, None, dtype)
+        else:
+            module = PackedLinear(weight.to(dtype), None)
+        layer.append((module, k))
+    return layer
+
+
+def _time(layer: list[tuple[torch.nn.Module, int]], rows: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best of `repeats` runs of the layer's linears on `rows` rows, in µs."""
+    inputs = [(module, torch.randn(rows, width, dtype=dtype)) for module, width in layer]
+    best = float("inf")
+    with torch.inference_mode():
+        for module, x in inputs:
+            module(x)  # warm-up: first-call allocations and oneDNN primitive creation
+        for _ in range(repeats):
+            start = time.thread_time()
+            for module, x in inputs:
+                module(x)
+            best = min(best, time.thread_time() - start)
+    return best * 1e6
