@@ -1,7 +1,13 @@
-"""Anthropic's API: POST /v1/messages (whole or as named SSE events) and /v1/messages/count_tokens."""
+"""Anthropic's API: POST /v1/messages (whole or as named SSE events) and /v1/messages/count_tokens.
+
+Content blocks map onto chat messages: `tool_use` blocks become an assistant's tool calls,
+`tool_result` blocks tool messages; a conversation that ends with the assistant's text is that
+answer's beginning (a prefill), continued rather than closed.
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from aiohttp import web
@@ -9,17 +15,19 @@ from aiohttp import web
 import protocol
 from protocol.messages import MAX_TOKENS_LIMIT
 
-from . import sse
+from . import sse, tool_calls
+from .choices import Choices
 from .context import gateway_of
 from .errors import anthropic_error_body
 from .generation import Delta, Done, Generation, Usage, new_request, new_request_id
+from .tool_calls import Piece, ToolCall, ToolCallReader, ToolPlan
 from .validate import (
-    chat_message,
     invalid,
     optional_bool,
     optional_int,
     optional_number,
     read_json_object,
+    refuse_unknown,
     required_str,
     sampling_params,
     string_list,
@@ -27,11 +35,16 @@ from .validate import (
 )
 
 ROLES = ("user", "assistant")
+# Hints with no effect on the answer here: accepted and ignored (docs/api.md says so).
+HINTS = {"metadata", "service_tier", "cache_control", "speed", "inference_geo", "user_profile_id", "workspace_id", "diagnostics"}
+MESSAGES_PARAMS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
+                   "min_p", "ignore_eos", "tools", "tool_choice", "thinking", "output_config", *HINTS}  # fmt: skip
+COUNT_PARAMS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", *HINTS}
 
 # ---------------------------------------------------------------- request bodies
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """`system` (a string or text blocks) and `messages` as protocol chat messages."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -39,10 +52,70 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     parsed = []
     if body.get("system") is not None:
         parsed.append({"role": "system", "content": text_content(body["system"], "system")})
-    return parsed + [chat_message(message, f"messages.{i}", ROLES) for i, message in enumerate(messages)]
+    for i, message in enumerate(messages):
+        parsed += _chat_messages(message, f"messages.{i}")
+    return parsed
 
 
-def parse_sampling(body: dict[str, Any]) -> protocol.SamplingParams:
+def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise invalid(f"{where}.role", "must be one of user, assistant")
+    role, content = message["role"], message.get("content")
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(blocks, list):
+        raise invalid(f"{where}.content", "must be a string or a list of content blocks")
+    texts, calls, results = [], [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content.{j}"
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, at))
+        elif kind == "tool_result" and role == "user":
+            results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": text_content(block.get("content"), f"{at}.content")})
+        else:
+            raise invalid(at, "only text blocks, an assistant's tool_use and a user's tool_result blocks are supported")
+    text = "\n".join(texts)
+    if role == "assistant":
+        return [{"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})]
+    return results + ([{"role": "user", "content": text}] if texts or not results else [])
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+        raise invalid(where, "a tool_use block needs `name` and an `input` object")
+    return {"id": str(block.get("id", "")), "type": "function", "function": {"name": block["name"], "arguments": block.get("input", {})}}
+
+
+def continues_answer(messages: list[dict[str, Any]]) -> bool:
+    """A conversation ending with the assistant's own text asks to continue that text."""
+    last = messages[-1]
+    return last["role"] == "assistant" and not last.get("tool_calls")
+
+
+def refuse_thinking(body: dict[str, Any]) -> None:
+    thinking = body.get("thinking")
+    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
+        raise invalid("thinking", "extended thinking is not supported")
+
+
+def parse_output_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`output_config.format` (structured outputs) as a protocol constraint; `effort` is a hint, ignored."""
+    config = body.get("output_config")
+    if config is None:
+        return None
+    if not isinstance(config, dict) or set(config) - {"format", "effort"}:
+        raise invalid("output_config", "only `format` (and the hint `effort`) are supported")
+    spec = config.get("format")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
+        raise invalid("output_config.format", 'must be {"type": "json_schema", "schema": {...}}')
+    return {"type": "json_schema", "schema": spec["schema"]}
+
+
+def parse_sampling(body: dict[str, Any], defaults: dict[str, Any]) -> protocol.SamplingParams:
     max_tokens = optional_int(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
     if max_tokens is None:
         raise invalid("max_tokens", "is required")
@@ -55,17 +128,22 @@ def parse_sampling(body: dict[str, Any]) -> protocol.SamplingParams:
             "temperature": optional_number(body, "temperature", 0.0, 1.0),
             "top_p": optional_number(body, "top_p", 0.0, 1.0),
             "top_k": optional_int(body, "top_k", 0, 1 << 20),
+            "min_p": optional_number(body, "min_p", 0.0, 1.0),
             "stop": string_list(stop, "stop_sequences"),
-        }
+            "ignore_eos": optional_bool(body, "ignore_eos"),
+        },
+        defaults,
     )
 
 
 # ---------------------------------------------------------------- response bodies
 
 
-def stop_reason(done: Done) -> str:
+def stop_reason(done: Done, calls: list[ToolCall]) -> str:
     if done.finish_reason == "length":
         return "max_tokens"
+    if calls:
+        return "tool_use"
     return "stop_sequence" if done.stop_sequence else "end_turn"
 
 
@@ -79,16 +157,24 @@ def usage_body(usage: Usage) -> dict[str, int]:
     }
 
 
-def message_body(message_id: str, model: str, content: list[dict[str, Any]], done: Done | None) -> dict[str, Any]:
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:  # cut off by max_tokens
+        arguments = {}
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments if isinstance(arguments, dict) else {}}
+
+
+def message_body(message_id: str, model: str, content: list[dict[str, Any]], done: Done | None, calls: list[ToolCall], prompt_tokens: int = 0) -> dict[str, Any]:
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": stop_reason(done) if done else None,
+        "stop_reason": stop_reason(done, calls) if done else None,
         "stop_sequence": done.stop_sequence if done else None,
-        "usage": usage_body(done.usage) if done else {"input_tokens": 0, "output_tokens": 0},
+        "usage": usage_body(done.usage) if done else {"input_tokens": prompt_tokens, "output_tokens": 0},
     }
 
 
@@ -98,49 +184,110 @@ def message_body(message_id: str, model: str, content: list[dict[str, Any]], don
 async def messages(request: web.Request) -> web.StreamResponse:
     gateway = gateway_of(request)
     body = await read_json_object(request)
+    refuse_unknown(body, MESSAGES_PARAMS)
+    refuse_thinking(body)
     model = await gateway.models.require(required_str(body, "model"))
-    sampling = parse_sampling(body)
+    sampling = parse_sampling(body, gateway.config.sampling_default_fields)
     stream = bool(optional_bool(body, "stream"))
-    work = new_request(gateway, new_request_id("msg_"), model, sampling, messages=parse_messages(body))
-    async with Generation(gateway, work, "messages") as generation:
+    plan = tool_calls.anthropic_plan(body)
+    chat = parse_messages(body)
+    work = new_request(
+        gateway, new_request_id("msg_"), model, sampling,
+        messages=chat, tools=plan.tools, constraint=plan.constraint or parse_output_format(body), continue_final=continues_answer(chat),
+    )  # fmt: skip
+    async with Choices(gateway, [work], "messages") as choices:
         if not stream:
-            text, done = await generation.result()
-            return web.json_response(message_body(work.id, model, [{"type": "text", "text": text}], done))
+            [(text, _, done)] = await choices.results()
+            reader = ToolCallReader(plan, "toolu_")
+            content_text = reader.feed(text).text + reader.finish().text
+            content = ([{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else [])
+            content += [tool_use_block(call) for call in reader.calls]
+            return web.json_response(message_body(work.id, model, content, done, reader.calls))
+        await choices.admitted(gateway.config.admission_wait)
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
-            request, lambda response: relay(response, generation, work, keepalive), anthropic_error_body, gateway.metrics.errors, "error"
+            request, lambda response: relay(response, choices, work, plan, keepalive), anthropic_error_body, gateway.metrics.errors, "error"
         )
 
 
-async def relay(response: web.StreamResponse, generation: Generation, work: protocol.Request, keepalive: float) -> None:
-    async def send(data: dict[str, Any]) -> None:
-        await sse.send(response, data, event=data["type"])
+class _Blocks:
+    """The content blocks of a streamed message, opened as their content arrives and closed in order."""
 
-    await send({"type": "message_start", "message": message_body(work.id, work.model, [], None)})
-    await send({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-    await send({"type": "ping"})
-    async for event in generation.events(keepalive):
-        if event is None:
-            await send({"type": "ping"})
-        elif isinstance(event, Delta):
-            if event.text:
-                await send({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": event.text}})
-        else:
-            await send({"type": "content_block_stop", "index": 0})
-            delta = {"stop_reason": stop_reason(event), "stop_sequence": event.stop_sequence}
-            await send({"type": "message_delta", "delta": delta, "usage": usage_body(event.usage)})
-            await send({"type": "message_stop"})
+    def __init__(self, response: web.StreamResponse):
+        self.response = response
+        self.index = -1
+        self.open: str | None = None  # "text" or "tool_use"
+        self._blank = ""  # whitespace that opens no text block (yet): it may precede a tool call
+
+    async def send(self, data: dict[str, Any]) -> None:
+        await sse.send(self.response, data, event=data["type"])
+
+    async def piece(self, piece: Piece) -> None:
+        text = piece.text
+        if text and self.open != "text" and not text.strip():
+            self._blank += text
+        elif text:
+            await self.open_text()
+            text, self._blank = self._blank + text, ""
+            await self.send({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}})
+        for call in piece.started:
+            await self._open("tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}, new=True)
+        for _, arguments in piece.arguments:
+            if arguments:
+                await self.send({"type": "content_block_delta", "index": self.index, "delta": {"type": "input_json_delta", "partial_json": arguments}})
+
+    async def close(self) -> None:
+        if self.open is not None:
+            await self.send({"type": "content_block_stop", "index": self.index})
+            self.open = None
+
+    async def open_text(self) -> None:
+        await self._open("text", {"type": "text", "text": ""})
+
+    async def _open(self, kind: str, block: dict[str, Any], new: bool = False) -> None:
+        if self.open == kind and not new:
+            return
+        await self.close()
+        self.index += 1
+        self.open = kind
+        await self.send({"type": "content_block_start", "index": self.index, "content_block": block})
+
+
+async def relay(response: web.StreamResponse, choices: Choices, work: protocol.Request, plan: ToolPlan, keepalive: float) -> None:
+    blocks = _Blocks(response)
+    reader = ToolCallReader(plan, "toolu_")
+    await blocks.send({"type": "message_start", "message": message_body(work.id, work.model, [], None, [], choices.prompt_tokens)})
+    await blocks.send({"type": "ping"})
+    async for item in choices.events(keepalive):
+        if item is None:
+            await blocks.send({"type": "ping"})
+            continue
+        _, event = item
+        if isinstance(event, Delta):
+            await blocks.piece(reader.feed(event.text))
+            continue
+        await blocks.piece(reader.finish())
+        if blocks.index < 0:  # an empty answer still has its (empty) text block
+            await blocks.open_text()
+        await blocks.close()
+        delta = {"stop_reason": stop_reason(event, reader.calls), "stop_sequence": event.stop_sequence}
+        await blocks.send({"type": "message_delta", "delta": delta, "usage": usage_body(event.usage)})
+        await blocks.send({"type": "message_stop"})
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """Asks a worker, the one that knows the model's tokenizer and chat template: a one-token greedy
-    request whose `done` reports the prompt's length. Its prompt pages stay in the worker's prefix
-    cache, so the request that usually follows a count reads them back instead of recomputing them."""
+    """Asks a worker, the one that knows the model's tokenizer and chat template, to tokenize the
+    conversation (a `tokenize` task: nothing is generated)."""
     gateway = gateway_of(request)
     body = await read_json_object(request)
+    refuse_unknown(body, COUNT_PARAMS)
     model = await gateway.models.require(required_str(body, "model"))
-    one_token = protocol.SamplingParams(max_tokens=1, temperature=0.0)
-    work = new_request(gateway, new_request_id("count_"), model, one_token, messages=parse_messages(body))
+    plan = tool_calls.anthropic_plan(body)
+    chat = parse_messages(body)
+    work = new_request(
+        gateway, new_request_id("count_"), model, protocol.SamplingParams(max_tokens=1),
+        messages=chat, tools=plan.tools, continue_final=continues_answer(chat), task="tokenize",
+    )  # fmt: skip
     async with Generation(gateway, work, "count_tokens", timed=False) as generation:
         _, done = await generation.result()
     return web.json_response({"input_tokens": done.usage.prompt_tokens})

@@ -15,9 +15,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 import protocol
 from protocol.redis_client import connect
 
-from . import anthropic, openai, status
+from . import anthropic, openai, status, tokenize
 from .access_log import setup_access_log
 from .auth import auth_middleware, load_api_keys
+from .batches import add_batch_routes
 from .chat_page import add_chat_page
 from .config import GatewayConfig
 from .context import GATEWAY, Gateway
@@ -25,6 +26,7 @@ from .cors import setup_cors
 from .errors import ApiError, api_of, error_response
 from .metrics import Metrics, metrics_middleware
 from .queue import RequestQueue
+from .rate_limits import RateLimiter, load_limits, setup_rate_limits
 from .replies import ReplyRouter
 from .workers import ModelRegistry
 
@@ -62,24 +64,30 @@ def create_app(config: GatewayConfig) -> web.Application:
         models=ModelRegistry(redis),
         metrics=Metrics(),
     )
+    keys = load_api_keys(config)
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[metrics_middleware(gateway.metrics), error_middleware, auth_middleware(load_api_keys(config))],
+        middlewares=[metrics_middleware(gateway.metrics), error_middleware, auth_middleware(keys)],
     )
     app[GATEWAY] = gateway
     setup_access_log(app)  # before CORS: its preflight middleware stays outermost
     setup_cors(app, config.allowed_origins)
+    if keys:  # limits are per API key
+        setup_rate_limits(app, RateLimiter(redis, load_limits(config), gateway.metrics))
     app.cleanup_ctx.append(_subscribed)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", openai.completions)
     app.router.add_post("/v1/messages", anthropic.messages)
     app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/v1/models", status.list_models)
     app.router.add_get("/v1/models/{model}", status.get_model)
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/metrics", status.metrics)
     add_chat_page(app)
+    add_batch_routes(app)
     return app
 
 

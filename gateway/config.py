@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
+
+import protocol
 
 
 @dataclass
@@ -20,8 +24,42 @@ class GatewayConfig:
     retry_after: int = field(default=2, metadata={"help": "seconds in Retry-After when the queue is full"})
     keepalive_seconds: float = field(default=5.0, metadata={"help": "idle seconds between keep-alives on a stream (Anthropic `ping`)"})
     default_max_tokens: int = field(default=512, metadata={"help": "max_tokens when a request gives none"})
+    sampling_defaults: str = field(
+        default="temperature=0.8,top_p=0.95,top_k=40,min_p=0.05",
+        metadata={"help": "the distribution of a request that sets none of temperature/top_p/top_k/min_p (empty = the API's own: temperature 1, nothing cut)"},
+    )
+    admission_wait: float = field(default=10.0, metadata={"help": "seconds a streaming request waits for a worker to admit it before its headers are sent"})
     allowed_origins: str = field(default="", metadata={"help": "comma-separated origins whose pages may call the API (CORS), `*` for any; empty = none"})
+    rate_limit_requests: int = field(default=0, metadata={"help": "requests a minute each API key may make (a key file line may set its own: `KEY requests=N`); 0 = no limit"})
+    rate_limit_tokens: int = field(default=0, metadata={"help": "prompt + completion tokens a minute each API key may use (`KEY tokens=N`); 0 = no limit"})
+    batch_max_items: int = field(default=50_000, metadata={"help": "most requests in one batch (OpenAI input file line, Anthropic request)"})
+    batch_max_bytes: int = field(default=64 << 20, metadata={"help": "largest batch input: an uploaded file, or an Anthropic batch's body"})
+    batch_in_flight: int = field(default=256, metadata={"help": "items of one batch in the request streams at once; keep it above the workers' --max-seqs together"})
+    batch_window_seconds: float = field(default=86_400.0, metadata={"help": "seconds a batch may take before its unfinished items expire (`24h`)"})
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12], metadata={"help": "unique id; names this gateway's reply channel"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object a line"})
     otlp_endpoint: str = field(default="", metadata={"help": "OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces); empty = tracing off"})
+
+    @functools.cached_property
+    def sampling_default_fields(self) -> dict[str, Any]:
+        return parse_sampling_defaults(self.sampling_defaults)
+
+
+def parse_sampling_defaults(text: str) -> dict[str, Any]:
+    """`temperature=0.8,top_k=40` → {"temperature": 0.8, "top_k": 40}, checked as the protocol checks them."""
+    fields: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in protocol.DISTRIBUTION_FIELDS:
+            raise ValueError(f"sampling defaults: {name!r} is not one of {', '.join(protocol.DISTRIBUTION_FIELDS)}")
+        try:
+            fields[name] = int(value) if name == "top_k" else float(value)
+        except ValueError:
+            raise ValueError(f"sampling defaults: {item!r} needs a number") from None
+    try:
+        protocol.parse_sampling(fields)
+    except protocol.ProtocolError as exc:
+        raise ValueError(f"sampling defaults: {exc.message}") from None
+    return fields

@@ -1,6 +1,7 @@
 """One request in flight: enqueued on entry, its events read as they come, withdrawn on an early exit.
 
     async with Generation(gateway, request) as generation:
+        await generation.admitted(wait=10.0)  # optional: a worker's refusal raises here, before any reply
         async for event in generation.events(keepalive=5.0):
             ...  # Delta, then one Done; None when `keepalive` seconds passed without an event
 
@@ -33,6 +34,7 @@ from .errors import ApiError
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[dict[str, Any]] | None = None  # per token, when the request asked (protocol `delta`)
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,10 @@ class Usage:
 
 @dataclass(frozen=True)
 class Done:
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop" or "length" ("tokenized"/"detokenized" for those tasks)
     stop_sequence: str | None
     usage: Usage
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # a task's answer: prompt_ids, pieces, text
 
 
 def new_request_id(prefix: str) -> str:
@@ -68,6 +71,7 @@ def new_request(gateway: Gateway, request_id: str, model: str, sampling: protoco
         reply=protocol.Reply(kind="pubsub", key=gateway.replies.channel),
         sampling=sampling,
         deadline=time.time() + gateway.config.request_timeout,
+        announce=True,
         **prompt,
     )
     try:
@@ -90,6 +94,8 @@ class Generation:
         self._submitted_at = 0.0
         self._first_token_at: float | None = None
         self._started = False  # some event came: a worker holds the request
+        self._held: dict[str, Any] | None = None  # an event read by admitted(), still to be yielded
+        self.prompt_tokens = 0  # from the worker's `started` event
         self._tokens_relayed = 0
         self._finished = False
         # The request's trace: the worker continues it from the protocol's `trace` field.
@@ -122,12 +128,32 @@ class Generation:
             self.span.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
         self.span.end()
 
+    async def admitted(self, wait: float) -> bool:
+        """Wait up to `wait` seconds for a worker to admit the request: True once it did, False while it
+        still waits in the queue. A worker's refusal (prompt too long, an invalid schema) raises its
+        ApiError here, so a handler can answer it with its HTTP status before sending any reply."""
+        deadline = time.monotonic() + wait
+        while self._held is None:
+            event = await self._next_event(max(deadline - time.monotonic(), 0.0))
+            if event is None:
+                return False
+            if event["type"] == "started":
+                self.prompt_tokens = int(event.get("prompt_tokens", 0))
+                return True
+            self._held = event  # a worker that sends no `started` (an older one): its first event admits
+            if event["type"] == "error":
+                self._finished = True
+                raise self._worker_error(event)
+        return True
+
     async def events(self, keepalive: float | None = None) -> AsyncIterator[Delta | Done | None]:
         try:
             while True:
-                event = await self._next_event(keepalive)
+                event, self._held = self._held or await self._next_event(keepalive), None
                 if event is None:
                     yield None
+                elif event["type"] == "started":
+                    self.prompt_tokens = int(event.get("prompt_tokens", 0))
                 elif event["type"] == "delta":
                     delta = self._accept_delta(event)
                     if delta is not None:
@@ -135,22 +161,30 @@ class Generation:
                 elif event["type"] == "done":
                     yield self._finish(event)
                     return
-                else:
+                elif event["type"] == "error":
                     self._finished = True
-                    raise ApiError.from_worker(str(event.get("code")), str(event.get("message")))
+                    raise self._worker_error(event)
         except ApiError as error:  # counted here: a stream shows it to the client and leaves the block without it
             self.metrics.ended(error.label)
             raise
 
     async def result(self) -> tuple[str, Done]:
         """The whole text and the `done` (for non-streaming answers)."""
-        texts = []
+        text, _, done = await self.result_with_logprobs()
+        return text, done
+
+    async def result_with_logprobs(self) -> tuple[str, list[dict[str, Any]], Done]:
+        texts, logprobs = [], []
         async for event in self.events():
             if isinstance(event, Delta):
                 texts.append(event.text)
+                logprobs += event.logprobs or []
             elif isinstance(event, Done):
-                return "".join(texts), event
+                return "".join(texts), logprobs, event
         raise AssertionError("events() ends only after a Done or an error")
+
+    def _worker_error(self, event: dict[str, Any]) -> ApiError:
+        return ApiError.from_worker(str(event.get("code")), str(event.get("message")))
 
     async def _next_event(self, keepalive: float | None) -> dict[str, Any] | None:
         assert self._events is not None
@@ -194,7 +228,8 @@ class Generation:
         if self._first_token_at is None:
             self.span.add_event("first_token")
             self._first_token_at = time.monotonic()
-        return Delta(text=str(event.get("text", "")), token_ids=token_ids)
+        logprobs = event.get("logprobs")
+        return Delta(text=str(event.get("text", "")), token_ids=token_ids, logprobs=logprobs if isinstance(logprobs, list) else None)
 
     def _finish(self, event: dict[str, Any]) -> Done:
         self._finished = True
@@ -207,6 +242,7 @@ class Generation:
         done = Done(
             finish_reason=str(event.get("finish_reason")),
             stop_sequence=event.get("stop_sequence"),
+            extra={key: event[key] for key in ("prompt_ids", "pieces", "max_context", "text") if key in event},
             usage=Usage(
                 prompt_tokens=int(usage.get("prompt_tokens", 0)),
                 completion_tokens=completion_tokens,

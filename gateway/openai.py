@@ -1,33 +1,52 @@
-"""OpenAI's API: POST /v1/chat/completions and the legacy POST /v1/completions, streaming or not."""
+"""OpenAI's API: POST /v1/chat/completions and the legacy POST /v1/completions, streaming or not.
+
+A request reads top to bottom: check its parameters (one lmq does not implement is a 400 naming it),
+turn it into protocol requests (one per choice), wait for a worker to admit them (so a refusal is
+answered with its HTTP status before any reply), then relay the answer whole or as chunks.
+"""
 
 from __future__ import annotations
 
-import time
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 import protocol
-from protocol.messages import MAX_TOKENS_LIMIT, ROLES
+from protocol.messages import MAX_LOGPROBS, MAX_TOKENS_LIMIT
 
-from . import sse
+from . import sse, tool_calls
+from .choices import Choices, choice_requests, total_usage
 from .config import GatewayConfig
-from .context import Gateway, gateway_of
+from .context import gateway_of
 from .errors import openai_error_body
-from .generation import Delta, Done, Generation, Usage, new_request, new_request_id
+from .generation import Delta, new_request, new_request_id
+from .openai_shapes import ChatShape, CompletionShape, finish_reason
+from .tool_calls import ToolCallReader, ToolPlan
 from .validate import (
-    chat_message,
     invalid,
     optional_bool,
     optional_int,
     optional_number,
     optional_object,
     read_json_object,
+    refuse_unknown,
     required_str,
     sampling_params,
     string_list,
+    text_content,
 )
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_N = 16
+
+SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias")
+EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos")  # vLLM's names, beyond OpenAI's
+IGNORED = ("user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "store")  # hints with no effect on the answer
+CHAT_PARAMS = {"model", "messages", "stream", "stream_options", "max_completion_tokens", "logprobs", "top_logprobs",
+               "response_format", "tools", "tool_choice", "parallel_tool_calls", *SAMPLING, *EXTENSIONS, *IGNORED}  # fmt: skip
+COMPLETION_PARAMS = {"model", "prompt", "stream", "stream_options", "logprobs", "echo", "best_of", *SAMPLING, *EXTENSIONS, *IGNORED}
 
 # ---------------------------------------------------------------- request bodies
 
@@ -39,13 +58,7 @@ class Streaming:
 
 
 def parse_sampling(body: dict[str, Any], config: GatewayConfig) -> protocol.SamplingParams:
-    n = optional_int(body, "n", 1, 128)
-    if n not in (None, 1):
-        raise invalid("n", "only n=1 is supported")
     max_tokens = optional_int(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT) or optional_int(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
-    logit_bias = optional_object(body, "logit_bias")
-    if not isinstance(body.get("user", ""), str):
-        raise invalid("user", "must be a string")
     return sampling_params(
         {
             "max_tokens": max_tokens or config.default_max_tokens,
@@ -57,11 +70,16 @@ def parse_sampling(body: dict[str, Any], config: GatewayConfig) -> protocol.Samp
             "presence_penalty": optional_number(body, "presence_penalty", -2.0, 2.0),
             "frequency_penalty": optional_number(body, "frequency_penalty", -2.0, 2.0),
             "repetition_penalty": optional_number(body, "repetition_penalty", 0.01, 10.0),
-            "logit_bias": logit_bias,
+            "logit_bias": optional_object(body, "logit_bias"),
             "stop": string_list(body.get("stop"), "stop"),
             "ignore_eos": optional_bool(body, "ignore_eos"),
-        }
+        },
+        config.sampling_default_fields,
     )
+
+
+def parse_n(body: dict[str, Any]) -> int:
+    return optional_int(body, "n", 1, MAX_N) or 1
 
 
 def parse_streaming(body: dict[str, Any]) -> Streaming:
@@ -70,11 +88,76 @@ def parse_streaming(body: dict[str, Any]) -> Streaming:
     return Streaming(enabled=bool(optional_bool(body, "stream")), include_usage=bool(include_usage))
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def parse_chat_logprobs(body: dict[str, Any]) -> int | None:
+    """How many alternatives to report per token (0-20), or None for no logprobs."""
+    top = optional_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not optional_bool(body, "logprobs"):
+        if top is not None:
+            raise invalid("top_logprobs", "needs `logprobs: true`")
+        return None
+    return top or 0
+
+
+def parse_completion_logprobs(body: dict[str, Any]) -> int | None:
+    return optional_int(body, "logprobs", 0, MAX_LOGPROBS)
+
+
+def parse_response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`response_format` as a protocol constraint: json_object, or json_schema (always enforced, strict or not)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid("response_format.json_schema.schema", "must be a JSON Schema object")
+        return {"type": "json_schema", "schema": schema}
+    raise invalid("response_format.type", 'must be "text", "json_object" or "json_schema"')
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty list of messages")
-    return [chat_message(message, f"messages[{i}]", ROLES) for i, message in enumerate(messages)]
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise invalid(where, "must be an object with `role` and `content`")
+    role = message.get("role")
+    if role not in ROLES:
+        raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}")
+    parsed: dict[str, Any] = {"role": role, "content": text_content(message.get("content"), f"{where}.content")}
+    if role == "assistant" and message.get("tool_calls"):
+        parsed["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(_list(message["tool_calls"], f"{where}.tool_calls"))]
+    if role == "tool":
+        parsed["tool_call_id"] = required_str(message, "tool_call_id") if "tool_call_id" in message else ""
+    if isinstance(message.get("name"), str):
+        parsed["name"] = message["name"]
+    return parsed
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise invalid(where, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise invalid(where, "must be a list")
+    return value
 
 
 def parse_prompt(body: dict[str, Any]) -> dict[str, Any]:
@@ -92,89 +175,13 @@ def parse_prompt(body: dict[str, Any]) -> dict[str, Any]:
 def refuse_unsupported_completion_options(body: dict[str, Any]) -> None:
     if optional_bool(body, "echo"):
         raise invalid("echo", "echo is not supported")
-    if optional_int(body, "best_of", 1, 128) not in (None, 1):
-        raise invalid("best_of", "only best_of=1 is supported")
+    if optional_int(body, "best_of", 1, 128) not in (None, 1, parse_n(body)):
+        raise invalid("best_of", "best_of must equal n (choosing the best of more is not supported)")
 
 
-# ---------------------------------------------------------------- response bodies
-
-
-def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-class _Shape:
-    """What both endpoints' bodies share: id, created and model on every chunk, and usage only when asked."""
-
-    chunk_object: str  # the `object` of a streamed chunk
-
-    def __init__(self, request_id: str, model: str, include_usage: bool = False):
-        self.id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.include_usage = include_usage
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, []) | {"usage": usage_body(usage)}
-
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk = self._envelope(self.chunk_object, [choice])
-        return chunk | {"usage": None} if self.include_usage else chunk
-
-    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
-
-
-class ChatShape(_Shape):
-    """Bodies of /v1/chat/completions: one `chat.completion`, or `chat.completion.chunk`s."""
-
-    chunk_object = "chat.completion.chunk"
-    api = "chat_completions"  # in metrics
-
-    def complete(self, text: str, done: Done) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None, "finish_reason": done.finish_reason}
-        return self._envelope("chat.completion", [choice]) | {"usage": usage_body(done.usage)}
-
-    def first_chunk(self) -> dict[str, Any]:
-        return self._chunk(self._delta({"role": "assistant", "content": ""}, None))
-
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk(self._delta({"content": text}, None))
-
-    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk(self._delta({}, finish_reason))
-
-    @staticmethod
-    def _delta(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-
-class CompletionShape(_Shape):
-    """Bodies of the legacy /v1/completions: `text_completion` objects, whole or in chunks."""
-
-    chunk_object = "text_completion"
-    api = "completions"
-
-    def complete(self, text: str, done: Done) -> dict[str, Any]:
-        return self._envelope("text_completion", [self._choice(text, done.finish_reason)]) | {"usage": usage_body(done.usage)}
-
-    def first_chunk(self) -> None:
-        return None  # legacy chunks carry no role
-
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk(self._choice(text, None))
-
-    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk(self._choice("", finish_reason))
-
-    @staticmethod
-    def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def refuse_storing(body: dict[str, Any]) -> None:
+    if optional_bool(body, "store"):
+        raise invalid("store", "stored completions are not supported; leave `store` out or false")
 
 
 # ---------------------------------------------------------------- handlers
@@ -183,47 +190,100 @@ class CompletionShape(_Shape):
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway = gateway_of(request)
     body = await read_json_object(request)
+    refuse_unknown(body, CHAT_PARAMS)
+    refuse_storing(body)
     model = await gateway.models.require(required_str(body, "model"))
-    sampling = parse_sampling(body, gateway.config)
-    streaming = parse_streaming(body)
-    work = new_request(gateway, new_request_id("chatcmpl-"), model, sampling, messages=parse_messages(body))
-    return await answer(request, gateway, work, ChatShape(work.id, model, streaming.include_usage), streaming.enabled)
+    n, sampling, streaming = parse_n(body), parse_sampling(body, gateway.config), parse_streaming(body)
+    top_logprobs = parse_chat_logprobs(body)
+    plan = tool_calls.openai_plan(body)
+    constraint = plan.constraint or parse_response_format(body)
+    work = new_request(
+        gateway, new_request_id("chatcmpl-"), model, sampling,
+        messages=parse_messages(body), tools=plan.tools, constraint=constraint, logprobs=top_logprobs,
+    )  # fmt: skip
+    shape = ChatShape(work.id, model, streaming.include_usage, top_logprobs)
+    async with Choices(gateway, choice_requests(work, n), shape.api) as choices:
+        if not streaming.enabled:
+            return web.json_response(await complete_chat(choices, shape, plan))
+        await choices.admitted(gateway.config.admission_wait)
+        keepalive = gateway.config.keepalive_seconds
+        return await sse.relay_in_stream(
+            request, lambda response: relay_chat(response, choices, shape, plan, keepalive), openai_error_body, gateway.metrics.errors
+        )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     gateway = gateway_of(request)
     body = await read_json_object(request)
+    refuse_unknown(body, COMPLETION_PARAMS)
+    refuse_storing(body)
     model = await gateway.models.require(required_str(body, "model"))
     refuse_unsupported_completion_options(body)
-    sampling = parse_sampling(body, gateway.config)
-    streaming = parse_streaming(body)
-    work = new_request(gateway, new_request_id("cmpl-"), model, sampling, **parse_prompt(body))
-    return await answer(request, gateway, work, CompletionShape(work.id, model, streaming.include_usage), streaming.enabled)
-
-
-async def answer(request: web.Request, gateway: Gateway, work: protocol.Request, shape: ChatShape | CompletionShape, stream: bool) -> web.StreamResponse:
-    async with Generation(gateway, work, shape.api) as generation:
-        if not stream:
-            text, done = await generation.result()
-            return web.json_response(shape.complete(text, done))
+    n, sampling, streaming = parse_n(body), parse_sampling(body, gateway.config), parse_streaming(body)
+    top_logprobs = parse_completion_logprobs(body)
+    work = new_request(gateway, new_request_id("cmpl-"), model, sampling, logprobs=top_logprobs, **parse_prompt(body))
+    shape = CompletionShape(work.id, model, streaming.include_usage, top_logprobs)
+    async with Choices(gateway, choice_requests(work, n), shape.api) as choices:
+        if not streaming.enabled:
+            results = await choices.results()
+            body = shape.complete([(text, logprobs, done.finish_reason) for text, logprobs, done in results], total_usage([r[2] for r in results]))
+            return web.json_response(body)
+        await choices.admitted(gateway.config.admission_wait)
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
-            request, lambda response: relay(response, generation, shape, keepalive), openai_error_body, gateway.metrics.errors
+            request, lambda response: relay_completion(response, choices, shape, keepalive), openai_error_body, gateway.metrics.errors
         )
 
 
-async def relay(response: web.StreamResponse, generation: Generation, shape: ChatShape | CompletionShape, keepalive: float) -> None:
-    first = shape.first_chunk()
-    if first is not None:
-        await sse.send(response, first)
-    async for event in generation.events(keepalive):
-        if event is None:
+async def complete_chat(choices: Choices, shape: ChatShape, plan: ToolPlan) -> dict[str, Any]:
+    results = await choices.results()
+    bodies = []
+    for text, logprobs, done in results:
+        reader = ToolCallReader(plan)
+        content = reader.feed(text).text + reader.finish().text
+        bodies.append((content, logprobs, reader.calls, finish_reason(done, reader.calls)))
+    return shape.complete(bodies, total_usage([done for _, _, done in results]))
+
+
+async def relay_chat(response: web.StreamResponse, choices: Choices, shape: ChatShape, plan: ToolPlan, keepalive: float) -> None:
+    readers = [ToolCallReader(plan) for _ in choices.generations]
+    dones = []
+    for index in range(len(readers)):
+        await sse.send(response, shape.first_chunk(index))
+    async for item in choices.events(keepalive):
+        if item is None:
             await sse.send_comment(response, "waiting")
-        elif isinstance(event, Delta):
-            if event.text:
-                await sse.send(response, shape.text_chunk(event.text))
-        else:
-            await sse.send(response, shape.finish_chunk(event.finish_reason))
-            if shape.include_usage:
-                await sse.send(response, shape.usage_chunk(event.usage))
+            continue
+        index, event = item
+        reader = readers[index]
+        if isinstance(event, Delta):
+            for chunk in shape.piece_chunks(index, reader.feed(event.text), event.logprobs):
+                await sse.send(response, chunk)
+            continue
+        for chunk in shape.piece_chunks(index, reader.finish(), None):
+            await sse.send(response, chunk)
+        await sse.send(response, shape.finish_chunk(index, finish_reason(event, reader.calls)))
+        dones.append(event)
+    if shape.include_usage:
+        await sse.send(response, shape.usage_chunk(total_usage(dones)))
+    await sse.send(response, "[DONE]")
+
+
+async def relay_completion(response: web.StreamResponse, choices: Choices, shape: CompletionShape, keepalive: float) -> None:
+    offsets = [0] * len(choices.generations)
+    dones = []
+    async for item in choices.events(keepalive):
+        if item is None:
+            await sse.send_comment(response, "waiting")
+            continue
+        index, event = item
+        if isinstance(event, Delta):
+            if event.text or event.logprobs:
+                await sse.send(response, shape.text_chunk(index, event.text, event.logprobs, offsets[index]))
+                offsets[index] += len(event.text)
+            continue
+        await sse.send(response, shape.finish_chunk(index, event.finish_reason))
+        dones.append(event)
+    if shape.include_usage:
+        await sse.send(response, shape.usage_chunk(total_usage(dones)))
     await sse.send(response, "[DONE]")

@@ -113,9 +113,23 @@ def chat_message(message: Any, where: str, roles: tuple[str, ...]) -> dict[str, 
     return {"role": message["role"], "content": text_content(message.get("content"), f"{where}.content")}
 
 
-def sampling_params(fields: dict[str, Any]) -> protocol.SamplingParams:
-    """The protocol's sampling parameters from the given (non-None) fields, checked by the protocol too."""
+def refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
+    """A parameter lmq does not implement is refused by name, never silently ignored."""
+    unknown = sorted(name for name in body if name not in known)
+    if unknown:
+        raise invalid(unknown[0], f"lmq does not support the parameter {unknown[0]!r}" + (f" (nor {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""))
+
+
+def sampling_params(fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> protocol.SamplingParams:
+    """The protocol's sampling parameters from the given (non-None) fields, checked by the protocol too.
+
+    `defaults` (the gateway's --sampling-defaults) shape the distribution of a request that sets none of
+    temperature, top_p, top_k, min_p; a request that sets any of them gets exactly what it set, the rest
+    neutral (protocol.parse_sampling)."""
+    given = {key: value for key, value in fields.items() if value is not None}
+    if defaults and not any(name in given for name in protocol.DISTRIBUTION_FIELDS):
+        given |= defaults
     try:
-        return protocol.parse_sampling({key: value for key, value in fields.items() if value is not None})
+        return protocol.parse_sampling(given)
     except protocol.ProtocolError as exc:
         raise ApiError(400, exc.message, param=exc.message.split(":")[0].removeprefix("sampling.")) from None

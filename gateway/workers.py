@@ -15,6 +15,7 @@ from .errors import ApiError
 log = logging.getLogger(__name__)
 
 CACHE_SECONDS = 1.0
+RETRY_AFTER_NO_WORKER_S = 5
 
 
 class ModelRegistry:
@@ -44,9 +45,15 @@ class ModelRegistry:
         return self._served
 
     async def require(self, model: str) -> str:
-        """`model` itself when a live worker serves it; else a 404."""
+        """`model` itself when a live worker serves it. A model served before (its request stream exists)
+        whose workers are all gone is a 503 with Retry-After, which clients retry (workers restart); one
+        never served is a 404."""
         if model in await self.served() or model in await self.served(fresh=True):
             return model
+        if await self.redis.exists(protocol.request_stream(model)):
+            raise ApiError(
+                503, f"no worker serves {model!r} right now; retry shortly", code="no_worker", retry_after=RETRY_AFTER_NO_WORKER_S
+            )
         served = ", ".join(sorted(self._served)) or "none"
         raise ApiError(404, f"the model {model!r} does not exist or no worker serves it (served: {served})", param="model", code="model_not_found")
 

@@ -17,13 +17,17 @@ def check_gateway(config: GatewayConfig) -> None:
     check_level(config.log_level)
     check_format(config.log_format)
     at_least(config, "port", 1, 65535)
-    for name in ("request_timeout", "pickup_timeout", "keepalive_seconds"):
+    for name in ("request_timeout", "pickup_timeout", "keepalive_seconds", "admission_wait"):
         if not getattr(config, name) > 0:
             raise ValueError(f"{setting_name(GatewayConfig, name)} must be more than 0, not {getattr(config, name)!r}")
     at_least(config, "max_body_bytes", 1)
     at_least(config, "max_queue", 0)
     at_least(config, "retry_after", 0)
     at_least(config, "default_max_tokens", 1)
+    try:
+        config.sampling_default_fields
+    except ValueError as exc:
+        raise ValueError(f"{setting_name(GatewayConfig, 'sampling_defaults')}: {exc}") from None
     if config.api_keys_file and not os.access(config.api_keys_file, os.R_OK):
         raise ValueError(f"{setting_name(GatewayConfig, 'api_keys_file')}: cannot read {config.api_keys_file}")
 

@@ -15,6 +15,7 @@ from .keys import (
 )
 from .progress import decode_progress, encode_progress
 from .messages import (
+    DISTRIBUTION_FIELDS,
     VERSION,
     Heartbeat,
     Reply,
@@ -28,6 +29,7 @@ from .messages import (
     decode_request,
     delta_event,
     done_event,
+    started_event,
     error_event,
     parse_request,
     parse_sampling,

@@ -28,6 +28,15 @@ MAX_LOGIT_BIAS = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 ROLES = ("system", "user", "assistant", "tool", "developer")
 REPLY_KINDS = ("pubsub", "stream")
+PRIORITIES = ("interactive", "batch")
+TASKS = ("generate", "tokenize", "detokenize")
+CONSTRAINT_TYPES = ("json_object", "json_schema", "regex", "lark", "tool_calls")
+MAX_TOOLS = 128
+MAX_LOGPROBS = 20
+# The fields that shape the distribution a token is drawn from. A request that sets any of them gets
+# that distribution: the ones it leaves out are neutral, not the server's defaults (see parse_sampling).
+DISTRIBUTION_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}  # workers serve interactive work first; batch work uses spare capacity
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -36,7 +45,8 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 @dataclass(frozen=True)
 class SamplingParams:
     """Defaults follow llama.cpp's server: a small model sampled from its full distribution at
-    temperature 1 rambles, and these keep an answer on topic while leaving it varied."""
+    temperature 1 rambles, and these keep an answer on topic while leaving it varied. They apply only
+    to a request that sets none of DISTRIBUTION_FIELDS (see parse_sampling)."""
 
     max_tokens: int = 256
     temperature: float = 0.8  # 0 = greedy
@@ -68,11 +78,18 @@ class Request:
     reply: Reply
     sampling: SamplingParams
     deadline: float  # unix seconds; the worker drops the request with `timeout` after it
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     truncate: bool = False  # keep the most recent tokens instead of failing a too-long prompt
     trace: str | None = None  # W3C traceparent of the producer's span: the worker's spans continue its trace
+    priority: str = "interactive"  # one of PRIORITIES
+    task: str = "generate"  # or "tokenize" / "detokenize": answered with one `done`, nothing generated
+    tools: list[dict[str, Any]] | None = None  # function definitions, given to the chat template
+    constraint: dict[str, Any] | None = None  # the output must match this grammar (structured output)
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (0-20)
+    continue_final: bool = False  # continue the last (assistant) message instead of starting a new turn
+    announce: bool = False  # send a `started` event when a worker admits the request
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -173,12 +190,14 @@ def parse_sampling(data: Any) -> SamplingParams:
         _str(s, "sampling.stop", MAX_STOP_CHARS)
     if any(s == "" for s in stop):
         raise _fail("sampling.stop", "stop strings must not be empty")
+    # Defaults for a request that leaves the distribution alone; neutral values beside explicit ones.
+    base = NEUTRAL if any(data.get(name) is not None for name in DISTRIBUTION_FIELDS) else asdict(_DEFAULT)
     return SamplingParams(
         max_tokens=_int(data, "max_tokens", _DEFAULT.max_tokens, 1, MAX_TOKENS_LIMIT),
-        temperature=_float(data, "temperature", _DEFAULT.temperature, 0.0, 100.0),
-        top_p=_float(data, "top_p", _DEFAULT.top_p, 0.0, 1.0),
-        top_k=_int(data, "top_k", _DEFAULT.top_k, 0, 1 << 20),
-        min_p=_float(data, "min_p", _DEFAULT.min_p, 0.0, 1.0),
+        temperature=_float(data, "temperature", base["temperature"], 0.0, 100.0),
+        top_p=_float(data, "top_p", base["top_p"], 0.0, 1.0),
+        top_k=_int(data, "top_k", base["top_k"], 0, 1 << 20),
+        min_p=_float(data, "min_p", base["min_p"], 0.0, 1.0),
         seed=_int(data, "seed", None, -(1 << 63), (1 << 64) - 1),
         presence_penalty=_float(data, "presence_penalty", _DEFAULT.presence_penalty, -2.0, 2.0),
         frequency_penalty=_float(data, "frequency_penalty", _DEFAULT.frequency_penalty, -2.0, 2.0),
@@ -202,24 +221,82 @@ def parse_reply(data: Any) -> Reply:
     return Reply(kind=kind, key=key)
 
 
-def _parse_messages(value: Any) -> list[dict[str, str]]:
+def _parse_messages(value: Any) -> list[dict[str, Any]]:
     messages = _list(value, "messages", MAX_MESSAGES)
     if not messages:
         raise _fail("messages", "must not be empty")
-    total = 0
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise _fail(f"messages[{i}]", "must be a map with `role` and `content`")
-        role = message.get("role")
-        if role not in ROLES:
-            raise _fail(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
-        content = _str(message.get("content"), f"messages[{i}].content", MAX_TEXT_CHARS)
-        total += len(content)
-        parsed.append({"role": role, "content": content})
-    if total > MAX_TEXT_CHARS:
+    parsed = [_parse_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    if sum(len(message["content"]) for message in parsed) > MAX_TEXT_CHARS:
         raise ProtocolError("too_large", f"messages: more than {MAX_TEXT_CHARS} characters in all")
     return parsed
+
+
+def _parse_message(message: Any, where: str) -> dict[str, Any]:
+    """`{role, content}`; an assistant message may add `tool_calls`, a tool message `tool_call_id` and `name`."""
+    if not isinstance(message, dict):
+        raise _fail(where, "must be a map with `role` and `content`")
+    role = message.get("role")
+    if role not in ROLES:
+        raise _fail(f"{where}.role", f"must be one of {', '.join(ROLES)}")
+    content = message.get("content")
+    parsed: dict[str, Any] = {"role": role, "content": "" if content is None else _str(content, f"{where}.content", MAX_TEXT_CHARS)}
+    if message.get("tool_calls") is not None:
+        if role != "assistant":
+            raise _fail(f"{where}.tool_calls", "only assistant messages carry tool calls")
+        calls = _list(message["tool_calls"], f"{where}.tool_calls", MAX_TOOLS)
+        parsed["tool_calls"] = [_parse_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
+    elif content is None:
+        raise _fail(f"{where}.content", "must be a string")
+    for name in ("tool_call_id", "name"):
+        if message.get(name) is not None:
+            parsed[name] = _str(message[name], f"{where}.{name}", 256)
+    return parsed
+
+
+def _parse_tool_call(call: Any, where: str) -> dict[str, Any]:
+    """`{id, type: "function", function: {name, arguments}}`, arguments a map (or a string the model wrote)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise _fail(where, "must be a map `{id, type: \"function\", function: {name, arguments}}`")
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, (dict, str)):
+        raise _fail(f"{where}.function.arguments", "must be a map or a string")
+    return {
+        "id": _str(call.get("id", ""), f"{where}.id", 256),
+        "type": "function",
+        "function": {"name": _str(function.get("name"), f"{where}.function.name", 256), "arguments": arguments},
+    }
+
+
+def _parse_tools(value: Any) -> list[dict[str, Any]] | None:
+    """Function definitions as OpenAI spells them: `{type: "function", function: {name, description?, parameters?}}`."""
+    if value is None:
+        return None
+    tools = _list(value, "tools", MAX_TOOLS)
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function":
+            raise _fail(f"tools[{i}]", "must be a map `{type: \"function\", function: {name, description, parameters}}`")
+        _str(function.get("name"), f"tools[{i}].function.name", 256)
+        if not isinstance(function.get("parameters", {}), dict):
+            raise _fail(f"tools[{i}].function.parameters", "must be a JSON Schema map")
+    return tools
+
+
+def _parse_constraint(value: Any) -> dict[str, Any] | None:
+    """The grammar the output must match; the worker compiles it (and refuses one it cannot compile)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in CONSTRAINT_TYPES:
+        raise _fail("constraint", f"must be a map whose `type` is one of {', '.join(CONSTRAINT_TYPES)}")
+    kind = value["type"]
+    needed = {"json_schema": ("schema", dict), "regex": ("pattern", str), "lark": ("grammar", str), "tool_calls": ("tools", list)}.get(kind)
+    if needed is not None and not isinstance(value.get(needed[0]), needed[1]):
+        raise _fail(f"constraint.{needed[0]}", f"a `{kind}` constraint needs `{needed[0]}` (a {needed[1].__name__})")
+    if kind == "tool_calls":  # one or more calls of these tools, in the worker's tool-call format
+        _parse_tools(value["tools"])
+        _bool(value, "parallel", True)
+    return value
 
 
 def parse_request(data: dict[str, Any]) -> Request:
@@ -261,7 +338,21 @@ def _parse_request_body(data: dict[str, Any], request_id: str, reply: Reply) -> 
         prompt_ids=_token_ids(data["prompt_ids"], "prompt_ids", MAX_PROMPT_IDS) if "prompt_ids" in inputs else None,
         truncate=_bool(data, "truncate", False),
         trace=_traceparent(data.get("trace")),
+        priority=_choice(data, "priority", PRIORITIES, "interactive"),
+        task=_choice(data, "task", TASKS, "generate"),
+        tools=_parse_tools(data.get("tools")),
+        constraint=_parse_constraint(data.get("constraint")),
+        logprobs=_int(data, "logprobs", None, 0, MAX_LOGPROBS),
+        continue_final=_bool(data, "continue_final", False),
+        announce=_bool(data, "announce", False),
     )
+
+
+def _choice(data: dict, name: str, choices: tuple[str, ...], default: str) -> str:
+    value = data.get(name, default)
+    if value not in choices:
+        raise _fail(name, f"must be one of {', '.join(choices)}")
+    return value
 
 
 def _traceparent(value: Any) -> str | None:
@@ -296,9 +387,20 @@ def _add_address(error: ProtocolError, data: dict[str, Any] | None) -> None:
 # ---------------------------------------------------------------- events (worker → reply address)
 
 
-def delta_event(request_id: str, seq: int, text: str, token_ids: list[int], offset: int) -> dict[str, Any]:
-    """New text. `offset` is the number of completion tokens streamed before this delta."""
-    return {"v": VERSION, "type": "delta", "id": request_id, "seq": seq, "text": text, "token_ids": token_ids, "offset": offset}
+def started_event(request_id: str, seq: int, prompt_tokens: int) -> dict[str, Any]:
+    """A worker admitted the request (its prompt fits, its parameters are valid): generation follows."""
+    return {"v": VERSION, "type": "started", "id": request_id, "seq": seq, "prompt_tokens": prompt_tokens}
+
+
+def delta_event(
+    request_id: str, seq: int, text: str, token_ids: list[int], offset: int, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """New text. `offset` is the number of completion tokens streamed before this delta; `logprobs`
+    (when the request asked) has one map per token id: `{token, bytes, logprob, top: [{token, bytes, logprob}]}`."""
+    event = {"v": VERSION, "type": "delta", "id": request_id, "seq": seq, "text": text, "token_ids": token_ids, "offset": offset}
+    if logprobs is not None:
+        event["logprobs"] = logprobs
+    return event
 
 
 def done_event(
@@ -309,8 +411,10 @@ def done_event(
     completion_tokens: int,
     cached_tokens: int,
     stop_sequence: str | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
-    return {
+    """The end of a generation; a tokenize/detokenize task adds `prompt_ids` / `text` as `extra`."""
+    return extra | {
         "v": VERSION,
         "type": "done",
         "id": request_id,
@@ -327,7 +431,7 @@ def error_event(request_id: str | None, seq: int, code: str, message: str) -> di
 
 def decode_event(raw: bytes) -> dict[str, Any]:
     event = decode_map(raw)
-    if event.get("type") not in ("delta", "done", "error") or not isinstance(event.get("seq"), int):
+    if event.get("type") not in ("started", "delta", "done", "error") or not isinstance(event.get("seq"), int):
         raise ProtocolError("bad_request", "not an lmq event")
     return event
 

@@ -8,6 +8,7 @@ starts a server of a test's own, to kill and restart."""
 
 from __future__ import annotations
 
+import json
 import os
 
 # OpenMP threads that spin while waiting steal the cores from each other and from Redis and the
@@ -100,3 +101,28 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def tiny(tiny_model_dir: pathlib.Path) -> LoadedModel:
     """The tiny model, loaded in float32."""
     return load_model(str(tiny_model_dir), dtype="float32", quant="none", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    """The real default model (SmolLM2-135M-Instruct from its PyPI package), in float32."""
+    return load_model(None, dtype="float32", quant="none", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_long(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny model with a 4,096-token context: room for tool definitions, on which its small
+    random-weight tokenizer spends many tokens, and for long constrained answers."""
+    directory = make_tiny_model(tmp_path_factory.mktemp("tiny-long"))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
+    return load_model(str(directory), dtype="float32", quant="none", device="cpu")
+
+
+@pytest.fixture
+async def api_url(redis_url: str, tiny_long: LoadedModel):
+    """A gateway and a real worker on tiny_long: the API tests' server."""
+    from gateway_support import real_worker, running_gateway
+
+    async with real_worker(redis_url, tiny_long, kv_memory="32MiB", max_seqs=8), running_gateway(redis_url) as url:
+        yield url

@@ -8,7 +8,7 @@ import pytest
 
 from engine_runs import generate, greedy
 from protocol import SamplingParams
-from worker.engine import Engine, GenRequest, PromptTooLong
+from worker.engine import Engine, GenRequest, PromptTooLong, SeqOutput, TokenLogprob
 from worker.kv_cache import page_bytes
 from worker.model.loader import LoadedModel
 
@@ -192,3 +192,66 @@ async def test_run_sleeps_until_work_arrives(model: LoadedModel) -> None:
     engine.stop()
     await asyncio.wait_for(task, 30)
     assert finished == ["late"]
+
+
+async def outputs_of(model: LoadedModel, requests: list[GenRequest]) -> dict[str, list[SeqOutput]]:
+    """Every SeqOutput of each request, in order (engine_runs' Result keeps only their sum)."""
+    outputs: dict[str, list[SeqOutput]] = {request.id: [] for request in requests}
+    engine = Engine(model, on_step=lambda step: [outputs[o.id].append(o) for o in step], page_size=PAGE)
+    for request in requests:
+        engine.add(request)
+    engine.stop()
+    await asyncio.wait_for(engine.run(), 300)
+    return outputs
+
+
+def logprobs_of(outputs: list[SeqOutput]) -> list[TokenLogprob]:
+    reports = []
+    for output in outputs:
+        assert output.logprobs is not None and len(output.logprobs) == len(output.token_ids)
+        assert [report.token_id for report in output.logprobs] == output.token_ids
+        reports += output.logprobs
+    return reports
+
+
+async def test_logprobs_come_with_each_token_for_requests_that_ask(model: LoadedModel) -> None:
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, top_p=1.0, min_p=0.0, seed=5, ignore_eos=True)
+    requests = [
+        GenRequest("greedy", prompt(model, TEXTS[0]), greedy(max_tokens=12), logprobs=5),
+        GenRequest("sampled", prompt(model, TEXTS[1]), sampled, logprobs=2),
+        GenRequest("none", prompt(model, TEXTS[2]), greedy(max_tokens=12)),
+        GenRequest("zero", prompt(model, TEXTS[3]), sampled, logprobs=0),
+    ]
+    outputs = await outputs_of(model, requests)
+    assert all(output.logprobs is None for output in outputs["none"])
+    for report in logprobs_of(outputs["greedy"]):
+        assert report.top[0] == (report.token_id, report.logprob) and len(report.top) == 5
+        assert [v for _, v in report.top] == sorted((v for _, v in report.top), reverse=True)
+    for report in logprobs_of(outputs["sampled"]):
+        assert report.logprob < 0.0 and len(report.top) == 2 and report.top[0][1] >= report.top[1][1]
+        assert dict(report.top).get(report.token_id, report.logprob) == report.logprob
+        assert report.token_id in dict(report.top) or report.logprob <= report.top[1][1]
+    assert all(report.top == [] for report in logprobs_of(outputs["zero"]))
+    assert len(logprobs_of(outputs["zero"])) == 12
+
+
+async def test_logprobs_are_the_same_alone_and_in_a_batch(model: LoadedModel) -> None:
+    params = SamplingParams(max_tokens=10, temperature=1.2, top_p=0.9, seed=21, ignore_eos=True)
+    request = GenRequest("lp", prompt(model, TEXTS[4]), params, logprobs=4)
+    alone = logprobs_of((await outputs_of(model, [request]))["lp"])
+    others = [GenRequest(f"o{i}", prompt(model, text), greedy(max_tokens=6 + i), logprobs=i) for i, text in enumerate(TEXTS[:3])]
+    batched = logprobs_of((await outputs_of(model, [*others, request]))["lp"])
+    assert [r.token_id for r in batched] == [r.token_id for r in alone]
+    for mine, theirs in zip(batched, alone):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+        assert [v for _, v in mine.top] == pytest.approx([v for _, v in theirs.top], abs=1e-4)
+
+
+async def test_a_resumed_request_reports_logprobs_of_its_new_tokens_only(model: LoadedModel) -> None:
+    ids = prompt(model, TEXTS[3])
+    whole = logprobs_of((await outputs_of(model, [GenRequest("w", ids, greedy(max_tokens=8), logprobs=1)]))["w"])
+    resumed = GenRequest("r", ids, greedy(max_tokens=8), generated_ids=[r.token_id for r in whole[:3]], logprobs=1)
+    rest = logprobs_of((await outputs_of(model, [resumed]))["r"])
+    assert [r.token_id for r in rest] == [r.token_id for r in whole[3:]]
+    assert [r.logprob for r in rest] == pytest.approx([r.logprob for r in whole[3:]], abs=1e-4)

@@ -110,7 +110,7 @@ async def final_events(redis: aioredis.Redis, reply_key: str, timeout: float = T
 
     async def ended():
         events = await reply_events(redis, reply_key)
-        return events if events and events[-1]["type"] != "delta" else None
+        return events if events and events[-1]["type"] in ("done", "error") else None
 
     return await wait_for(ended, what=f"the end of {reply_key}", timeout=timeout)
 

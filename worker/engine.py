@@ -4,11 +4,17 @@ One task (`run`) owns all state. Requests and cancellations arrive through `add`
 and take effect between steps. Each step: schedule → model forward and sampling on the one
 torch thread (worker/compute_thread.py, so the event loop keeps doing Redis I/O) → detokenize, check stops → report
 every sequence's output through `on_step`.
+
+A request may carry a constraint (worker/grammar.py): it is compiled when the request is added, so
+a bad one is refused before it is queued; its matcher masks the sampler's logits every step and
+finishes the sequence ("stop") when the grammar is complete. A request may ask for logprobs: each
+output then carries one `TokenLogprob` per token (worker/sampler.py says how they are computed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -20,15 +26,16 @@ from protocol import SamplingParams
 from worker import compute_thread
 from worker.batch import StepBatch
 from worker.detok import IncrementalDetokenizer, StopStrings, text_state
+from worker.grammar import GrammarCompiler
 from worker.kv_cache import KVCache, default_kv_budget, page_bytes
 from worker.model.loader import LoadedModel
 from worker.prompt import PromptTooLong
-from worker.sampler import SamplingState, sample
+from worker.sampler import MAX_LOGPROBS, Sampled, SamplingState, TokenLogprob, sample
 from worker.scheduler import Scheduled, Scheduler, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineStats", "GenRequest", "PromptTooLong", "SeqOutput"]
+__all__ = ["Engine", "EngineStats", "GenRequest", "PromptTooLong", "SeqOutput", "TokenLogprob"]
 
 
 @dataclass
@@ -39,6 +46,11 @@ class GenRequest:
     # Tokens an earlier (dead) worker already streamed: generation continues after them; they
     # count toward max_tokens and stop checks but are not emitted again.
     generated_ids: list[int] = field(default_factory=list)
+    # The output's grammar (worker/grammar.py: json_object, json_schema, regex or lark), or None.
+    constraint: dict | None = None
+    # How many alternatives to report with each token's logprob (0..20); None: no logprobs.
+    logprobs: int | None = None
+    priority: str = "interactive"  # or "batch": scheduled on spare capacity (worker/scheduler.py)
 
 
 @dataclass
@@ -54,6 +66,7 @@ class SeqOutput:
     completion_tokens: int  # total so far, generated_ids of an earlier run included
     cached_tokens: int  # prompt tokens served from the prefix cache
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when the request asked
 
 
 @dataclass
@@ -93,6 +106,7 @@ class _Active:
         finish_reason: str | None = None,
         stop_sequence: str | None = None,
         error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> SeqOutput:
         return SeqOutput(
             id=self.request.id,
@@ -104,6 +118,7 @@ class _Active:
             completion_tokens=self.completion_tokens,
             cached_tokens=self.seq.cached_prompt_tokens or 0,
             error=error,
+            logprobs=None if self.request.logprobs is None else (logprobs or []),
         )
 
 
@@ -122,6 +137,11 @@ class Engine:
         self.model = model
         self.max_context = model.config.max_context
         self.kv = compute_thread.run(_make_kv_cache, model, kv_memory_bytes, page_size, max_seqs)
+        if model.device.type == "cuda":  # decode steps replay CUDA graphs (worker/cuda/graphs.py)
+            from worker.cuda.graphs import graphed
+
+            forward = compute_thread.run(graphed, model.model, self.kv.kv, max_batch=max_seqs, num_kv_heads=model.config.num_kv_heads)
+            self.model = dataclasses.replace(model, model=forward)
         self.scheduler = Scheduler(self.kv, max_seqs=max_seqs, step_tokens=step_tokens, max_context=self.max_context)
         self._on_step = on_step
         self._on_step_seconds = on_step_seconds  # each step's duration (the metrics' histogram)
@@ -133,6 +153,7 @@ class Engine:
         self._tokens_generated = 0
         self._steps = 0
         self._last_step_seconds = 0.0
+        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
 
     # ------------------------------------------------------------ public API
 
@@ -145,6 +166,10 @@ class Engine:
         if request.id in self._active or any(r.id == request.id for r in self._incoming):
             raise ValueError(f"request {request.id} is already running")
         self._check_fits(request)
+        if request.logprobs is not None and not (type(request.logprobs) is int and 0 <= request.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, not {request.logprobs!r}")
+        if request.constraint is not None:
+            self.grammars.check(request.constraint)
         self._incoming.append(request)
         self._wake.set()
 
@@ -213,12 +238,26 @@ class Engine:
                 f"the KV cache holds {self.kv.num_pages} pages of {self.kv.page_size} tokens"
             )
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammar compiler, built on first use (its vocabulary takes a fraction of a second)."""
+        if self._grammars is None:
+            model = self.model
+            self._grammars = GrammarCompiler(
+                model.tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=model.stop_token_ids
+            )
+        return self._grammars
+
     def _take_incoming(self) -> list[SeqOutput]:
         outputs = []
         for request in self._incoming:
             active = self._activate(request)
+            grammar = active.sampling.grammar
             finished = self._already_finished(active)
-            if finished is not None:
+            if grammar is not None and grammar.error is not None:
+                error = f"the tokens already generated do not follow the constraint: {grammar.error}"
+                outputs.append(active.output([], "", "error", error=error))
+            elif finished is not None:
                 outputs.append(active.output([], "", finished))
             else:
                 self._active[request.id] = active
@@ -232,16 +271,22 @@ class Engine:
             id=request.id,
             token_ids=[*request.prompt_ids, *request.generated_ids],
             num_prompt_tokens=len(request.prompt_ids),
+            priority=request.priority,
         )
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.model.stop_token_ids
+        grammar = None
+        if request.constraint is not None:  # replayed: a takeover continues where the grammar was
+            grammar = self.grammars.matcher(request.constraint, request.generated_ids)
         sampling = SamplingState(
             params,
             prompt_ids=request.prompt_ids,
             generated_ids=request.generated_ids,
             vocab_size=self.model.config.vocab_size,
             device=self.model.device,
+            grammar=grammar,
+            logprobs=request.logprobs,
         )
         detok, stops = text_state(self.model.tokenizer, request.prompt_ids, request.generated_ids, params.stop)
         return _Active(request, seq, sampling, detok, stops, stop_ids)
@@ -250,6 +295,9 @@ class Engine:
         """A request resumed from an earlier run may have nothing left to generate."""
         generated = active.request.generated_ids
         if generated and generated[-1] in active.stop_token_ids:
+            return "stop"
+        grammar = active.sampling.grammar
+        if generated and grammar is not None and grammar.finished:
             return "stop"
         if active.completion_tokens >= active.request.sampling.max_tokens:
             return "length"
@@ -272,7 +320,7 @@ class Engine:
         states = [self._active[item.seq.id].sampling for item in samplers]
         started = time.perf_counter()
         try:
-            tokens = await compute_thread.run_async(self._compute, plan.scheduled, states)
+            sampled = await compute_thread.run_async(self._compute, plan.scheduled, states)
         except Exception as error:  # a failed step fails its sequences, never the worker
             log.exception("engine step failed")
             return self._fail(plan, error)
@@ -282,35 +330,47 @@ class Engine:
             if self._on_step_seconds is not None:
                 self._on_step_seconds(self._last_step_seconds)
         self.scheduler.complete(plan)
-        self._tokens_generated += len(tokens)
-        return [self._append(self._active[item.seq.id], token) for item, token in zip(samplers, tokens)]
+        self._tokens_generated += len(sampled.tokens)
+        return [
+            self._append(self._active[item.seq.id], token, logprob)
+            for item, token, logprob in zip(samplers, sampled.tokens, sampled.logprobs)
+        ]
 
-    def _compute(self, scheduled: list[Scheduled], states: list[SamplingState]) -> list[int]:
+    def _compute(self, scheduled: list[Scheduled], states: list[SamplingState]) -> Sampled:
         """In the executor thread: the model forward over the step, then sampling."""
-        batch = build_step_batch(scheduled, self.scheduler.page_table, self.kv.page_size, self.model.device)
+        # A CUDA-graphed model takes the step from the host and sends it in one pinned copy.
+        device = getattr(self.model.model, "input_device", self.model.device)
+        batch = build_step_batch(scheduled, self.scheduler.page_table, self.kv.page_size, device)
         with torch.inference_mode():
             logits = self.model.model(batch, self.kv.kv)
             rows = [row for row, item in enumerate(scheduled) if item.samples]
             if len(rows) < len(scheduled):
                 logits = logits[rows]
-            tokens = sample(logits, states)
-        for state, token in zip(states, tokens):
+            sampled = sample(logits, states)
+        for state, token in zip(states, sampled.tokens):
             state.record(token)
-        return tokens
+        return sampled
 
-    def _append(self, active: _Active, token: int) -> SeqOutput:
+    def _append(self, active: _Active, token: int, logprob: TokenLogprob | None) -> SeqOutput:
         seq = active.seq
+        grammar = active.sampling.grammar
+        if grammar is not None and grammar.error is not None:  # should not happen: the mask allows only valid tokens
+            return self._finish(active, [], "", "error", None, error=f"constrained decoding failed: {grammar.error}")
         seq.token_ids.append(token)
+        logprobs = None if logprob is None else [logprob]
         if token in active.stop_token_ids:
             text, stop = self._final_text(active, active.detok.flush())
-            return self._finish(active, [token], text, "stop", stop)
+            return self._finish(active, [token], text, "stop", stop, logprobs)
         text, stop = active.stops.push(active.detok.add(token))
         if stop is not None:
-            return self._finish(active, [token], text, "stop", stop)
+            return self._finish(active, [token], text, "stop", stop, logprobs)
+        if grammar is not None and grammar.finished:
+            tail, stop = self._final_text(active, active.detok.flush())
+            return self._finish(active, [token], text + tail, "stop", stop, logprobs)
         if active.completion_tokens >= active.request.sampling.max_tokens or len(seq.token_ids) >= self.max_context:
             tail, stop = self._final_text(active, active.detok.flush())
-            return self._finish(active, [token], text + tail, "stop" if stop else "length", stop)
-        return active.output([token], text)
+            return self._finish(active, [token], text + tail, "stop" if stop else "length", stop, logprobs)
+        return active.output([token], text, logprobs=logprobs)
 
     @staticmethod
     def _final_text(active: _Active, text: str) -> tuple[str, str | None]:
@@ -320,10 +380,19 @@ class Engine:
             text += active.stops.flush()
         return text, stop
 
-    def _finish(self, active: _Active, token_ids: list[int], text: str, reason: str, stop: str | None) -> SeqOutput:
+    def _finish(
+        self,
+        active: _Active,
+        token_ids: list[int],
+        text: str,
+        reason: str,
+        stop: str | None,
+        logprobs: list[TokenLogprob] | None = None,
+        error: str | None = None,
+    ) -> SeqOutput:
         self.scheduler.remove(active.seq)
         del self._active[active.request.id]
-        return active.output(token_ids, text, reason, stop_sequence=stop)
+        return active.output(token_ids, text, reason, stop_sequence=stop, error=error, logprobs=logprobs)
 
     def _fail(self, plan: StepPlan, error: Exception) -> list[SeqOutput]:
         outputs = []

@@ -7,7 +7,11 @@ messages are dropped first, then the oldest remaining message content is cut fro
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from worker.chat_render import render_chat
 
 if TYPE_CHECKING:
     from worker.model.loader import LoadedModel
@@ -25,15 +29,18 @@ def build_prompt_ids(
     prompt_ids: list[int] | None = None,
     max_tokens: int,
     truncate: bool,
+    tools: list[dict[str, Any]] | None = None,
+    continue_final: bool = False,
 ) -> list[int]:
     context = model.config.max_context
     limit = context - max_tokens
     if limit < 1:
         raise PromptTooLong(f"max_tokens {max_tokens} leaves no room for a prompt in the model's context of {context} tokens")
     if messages is not None:
-        ids = _render(model, messages)
+        render = functools.partial(_render, tools=tools, continue_final=continue_final)
+        ids = render(model, messages)
         if len(ids) > limit and truncate:
-            ids = _truncate_messages(model, messages, limit)
+            ids = _truncate_messages(model, messages, limit, render)
     elif prompt is not None:
         ids = model.tokenizer.encode(prompt, add_special_tokens=True).ids
     elif prompt_ids is not None:
@@ -54,9 +61,12 @@ def build_prompt_ids(
     return ids
 
 
-def _render(model: LoadedModel, messages: list[dict[str, Any]]) -> list[int]:
-    text = model.chat_template.render(messages, add_generation_prompt=True)
+def _render(model: LoadedModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, continue_final: bool) -> list[int]:
+    text = render_chat(model, messages, tools, continue_final)
     return model.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+Render = Callable[["LoadedModel", list[dict[str, Any]]], list[int]]
 
 
 def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
@@ -66,16 +76,16 @@ def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _truncate_messages(model: LoadedModel, messages: list[dict[str, Any]], limit: int) -> list[int]:
+def _truncate_messages(model: LoadedModel, messages: list[dict[str, Any]], limit: int, render: Render) -> list[int]:
     """Drop the oldest non-system messages (keeping the last one), then cut message contents from the left."""
     messages = [dict(message) for message in messages]
-    while len(_render(model, messages)) > limit and _oldest_droppable(messages) is not None:
+    while len(render(model, messages)) > limit and _oldest_droppable(messages) is not None:
         del messages[_oldest_droppable(messages)]
     for index in _cut_order(messages):
-        ids = _cut_content(model, messages, index, limit)
+        ids = _cut_content(model, messages, index, limit, render)
         if len(ids) <= limit:
             return ids
-    return _render(model, messages)
+    return render(model, messages)
 
 
 def _oldest_droppable(messages: list[dict[str, Any]]) -> int | None:
@@ -90,16 +100,16 @@ def _cut_order(messages: list[dict[str, Any]]) -> list[int]:
     return others + systems
 
 
-def _cut_content(model: LoadedModel, messages: list[dict[str, Any]], index: int, limit: int) -> list[int]:
+def _cut_content(model: LoadedModel, messages: list[dict[str, Any]], index: int, limit: int, render: Render) -> list[int]:
     """Keep only the most recent tokens of messages[index]'s content so the render fits, if it can."""
     tokenizer = model.tokenizer
     content_ids = tokenizer.encode(str(messages[index].get("content", "")), add_special_tokens=False).ids
-    ids = _render(model, messages)
+    ids = render(model, messages)
     keep = len(content_ids) - (len(ids) - limit)
     while len(ids) > limit and content_ids:
         keep = max(0, min(keep, len(content_ids) - 1))
         content_ids = content_ids[len(content_ids) - keep :]
         messages[index]["content"] = tokenizer.decode(content_ids)
-        ids = _render(model, messages)
+        ids = render(model, messages)
         keep -= len(ids) - limit
     return ids

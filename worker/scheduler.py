@@ -3,6 +3,32 @@
 One token budget per step: running decodes first, then prefill chunks of running sequences,
 then new admissions while pages allow. Pages are reserved oldest sequence first; when they run
 out, the most recently admitted sequences are preempted (pages released, recomputed later).
+
+Two priorities (protocol: `interactive`, the default, and `batch`). Everywhere above, "oldest
+first" reads "interactive sequences oldest first, then batch sequences oldest first", and "the
+most recent" reads "the newest batch sequence, then the newest interactive one": the one order
+(`_in_priority_order`) serves decodes, prefill chunks, page reservations and the choice of
+victims, so the rules stay those of one queue. Three rules on top, each for time to first token:
+
+- **Interactive sequences take slots and pages from batch ones.** The waiting queue keeps every
+  interactive sequence ahead of every batch one. When the interactive sequence at its head lacks a
+  slot or pages, the newest running batch sequence is preempted until it fits; when an interactive
+  prompt chunk gets fewer pages than it asked for, batch sequences are preempted for the rest. A
+  preempted batch sequence keeps its full pages in the prefix cache, so resuming it is mostly a
+  cache hit. A batch sequence never takes anything from an interactive one.
+- **A step that reads an interactive prompt carries no batch work.** The step's time is then that
+  prompt's alone, so an interactive request's first token comes as fast under a batch load as on
+  an idle worker, less the step it arrived during. Batch sequences keep their slots and pages and
+  lose one step per interactive prompt (a long prompt: one per chunk).
+- **Preempting batch sequences for an interactive one does not stop admissions**, as running out
+  of pages does: the room was made for the sequence being admitted.
+
+One rule for the prefix cache: **a prompt whose first page a running sequence is still reading
+waits until it has read it** (`_reading_its_prefix`), then finds those pages in the cache. The `n`
+choices of one request, or many requests with one long system prompt arriving together, are so
+prefilled once instead of n times; the queue behind waits at most that prefill.
+
+So batch work gets exactly the capacity interactive work leaves, and gives it back a step later.
 """
 
 from __future__ import annotations
@@ -12,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from protocol.keys import BATCH, INTERACTIVE
 from worker.kv_cache import KVCache, page_key
 
 
@@ -28,6 +55,11 @@ class Sequence:
     page_keys: list[bytes] = field(default_factory=list)  # chained keys of full pages of token_ids
     cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     row: int = -1  # row in the scheduler's page table while running
+    priority: str = INTERACTIVE  # or BATCH: runs on what interactive sequences leave (see the module)
+
+    @property
+    def batch(self) -> bool:
+        return self.priority == BATCH
 
     @property
     def num_pending(self) -> int:
@@ -86,7 +118,7 @@ class Scheduler:
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -100,20 +132,28 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def schedule(self) -> StepPlan:
+        """The next step: decodes, then prompt chunks, then admissions, each in priority order; no
+        batch tokens in a step that reads an interactive prompt (one running, or one to admit)."""
+        order = self._in_priority_order()
+        reading_interactive = any(not seq.batch and seq.num_pending > 1 for seq in order) or self._interactive_waits()
+        eligible = [seq for seq in order if not (reading_interactive and seq.batch)]
         budget = self.step_tokens
         tokens: dict[Sequence, int] = {}
-        for seq in self.running:
+        for seq in eligible:
             if seq.num_pending == 1 and budget > 0:
                 tokens[seq] = 1
                 budget -= 1
-        for seq in self.running:
+        for seq in eligible:
             if seq.num_pending > 1 and budget > 0:
                 tokens[seq] = min(seq.num_pending, budget)
                 budget -= tokens[seq]
         preempted = self._reserve_pages(tokens)
         scheduled = [_scheduled(seq, n) for seq, n in tokens.items() if seq.row >= 0]
-        if not preempted:
-            scheduled += self._admit(self.step_tokens - sum(s.num_tokens for s in scheduled))
+        interactive_lost = any(not seq.batch for seq in preempted)
+        if not interactive_lost:
+            remaining = self.step_tokens - sum(item.num_tokens for item in scheduled)
+            admit_batch = not reading_interactive and not preempted
+            scheduled += self._admit(remaining, admit_batch, {item.seq for item in scheduled}, preempted)
         return StepPlan(scheduled=scheduled, preempted=preempted)
 
     def complete(self, plan: StepPlan) -> None:
@@ -129,17 +169,21 @@ class Scheduler:
                 seq.num_registered_pages = full
 
     def _reserve_pages(self, tokens: dict[Sequence, int]) -> list[Sequence]:
-        """Give each scheduled sequence, oldest first, the pages its tokens need; preempt the newest if short."""
+        """Give each scheduled sequence, in priority order, the pages its tokens need; preempt the last
+        in that order when short (an interactive chunk that got only part: batch sequences, for the rest)."""
         preempted: list[Sequence] = []
-        for seq in list(self.running):
+        for seq in self._in_priority_order():
             if seq not in tokens or seq.row < 0:
                 continue
             granted = self._grow(seq, tokens[seq])
-            while not granted:
-                victim = self.running[-1]
+            while granted < tokens[seq]:
+                victim = self._in_priority_order()[-1]
+                if granted and not (victim.batch and not seq.batch):
+                    break  # a shorter chunk, rather than taking pages from an equal
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
+                    granted = 0
                     break
                 granted = self._grow(seq, tokens[seq])
             tokens[seq] = granted
@@ -154,23 +198,51 @@ class Scheduler:
             self._append_pages(seq, self.kv.allocate(needed))
         return granted
 
-    def _admit(self, budget: int) -> list[Scheduled]:
+    def _admit(self, budget: int, admit_batch: bool, busy: set[Sequence], preempted: list[Sequence]) -> list[Scheduled]:
+        """Start waiting sequences in queue order while the budget, slots and pages allow. An
+        interactive one that does not fit preempts batch sequences not in this step (`busy`) until it does."""
         admitted = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            reusable_pages = (len(seq.token_ids) - 1) // self.page_size  # the last token is always fed
-            cached_pages = self.kv.lookup(seq.keys_upto(reusable_pages, self.page_size))
-            cached_tokens = len(cached_pages) * self.page_size
-            num_tokens = min(len(seq.token_ids) - cached_tokens, budget)
-            new_pages = _pages_for(cached_tokens + num_tokens, self.page_size) - len(cached_pages)
-            if not self.kv.can_allocate(new_pages, cached_pages):
+            if (seq.batch and not admit_batch) or self._reading_its_prefix(seq):
                 break
+            fit = self._fit(seq, budget) if len(self.running) < self.max_seqs else None
+            if fit is None:
+                victim = None if seq.batch else self._newest_batch(busy)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+                continue
+            cached_pages, num_tokens, new_pages = fit
             self.waiting.popleft()
             self.kv.acquire(cached_pages)
-            self._start(seq, cached_pages + self.kv.allocate(new_pages), cached_tokens)
+            self._start(seq, cached_pages + self.kv.allocate(new_pages), len(cached_pages) * self.page_size)
             admitted.append(_scheduled(seq, num_tokens))
             budget -= num_tokens
         return admitted
+
+    def _reading_its_prefix(self, seq: Sequence) -> bool:
+        """Whether a running sequence still reading its prompt starts with the same full page."""
+        if len(seq.token_ids) <= self.page_size:
+            return False
+        first = seq.keys_upto(1, self.page_size)[0]
+        return any(
+            other.num_computed < other.num_prompt_tokens and other.keys_upto(1, self.page_size)[0] == first
+            for other in self.running
+            if len(other.token_ids) > self.page_size
+        )
+
+    def _fit(self, seq: Sequence, budget: int) -> tuple[list[int], int, int] | None:
+        """(cached pages, tokens to feed, new pages) to start `seq` now, or None when pages lack."""
+        reusable_pages = (len(seq.token_ids) - 1) // self.page_size  # the last token is always fed
+        cached_pages = self.kv.lookup(seq.keys_upto(reusable_pages, self.page_size))
+        cached_tokens = len(cached_pages) * self.page_size
+        num_tokens = min(len(seq.token_ids) - cached_tokens, budget)
+        new_pages = _pages_for(cached_tokens + num_tokens, self.page_size) - len(cached_pages)
+        if not self.kv.can_allocate(new_pages, cached_pages):
+            return None
+        return cached_pages, num_tokens, new_pages
 
     def _start(self, seq: Sequence, pages: list[int], cached_tokens: int) -> None:
         if seq.cached_prompt_tokens is None:
@@ -195,7 +267,29 @@ class Scheduler:
         self._release(seq)
         seq.num_computed = 0
         seq.num_registered_pages = 0
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, resumed=True)
+
+    def _enqueue(self, seq: Sequence, resumed: bool = False) -> None:
+        """Interactive sequences wait ahead of batch ones; within a priority, a preempted sequence
+        resumes before the new ones."""
+        if not seq.batch and resumed:
+            self.waiting.appendleft(seq)
+            return
+        first_batch = next((i for i, other in enumerate(self.waiting) if other.batch), len(self.waiting))
+        if seq.batch and not resumed:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(first_batch, seq)
+
+    def _interactive_waits(self) -> bool:
+        return bool(self.waiting) and not self.waiting[0].batch
+
+    def _in_priority_order(self) -> list[Sequence]:
+        """Running sequences, interactive ones first, each priority in admission order."""
+        return [seq for seq in self.running if not seq.batch] + [seq for seq in self.running if seq.batch]
+
+    def _newest_batch(self, busy: set[Sequence]) -> Sequence | None:
+        return next((seq for seq in reversed(self.running) if seq.batch and seq not in busy), None)
 
     def _release(self, seq: Sequence) -> None:
         self.kv.release(seq.pages)

@@ -32,13 +32,17 @@ from protocol import (
 )
 from protocol.redis_client import connect
 from worker import compute_thread
-from worker.claims import Entry, RequestStream, is_missing_group
+from protocol.keys import BATCH, INTERACTIVE
+from worker.claims import Entry, RequestStreams, is_missing_group
+from worker.chat_render import tool_calls_grammar
 from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.heartbeat import heartbeat_loop
+from worker.logprob_events import LogprobEvents
 from worker.metrics import WorkerMetrics
 from worker.model.loader import LoadedModel, load_model
 from worker.prompt import PromptTooLong, build_prompt_ids
+from worker.tasks import answer_task
 from worker.publisher import Publisher
 from worker.tracking import RequestTable
 
@@ -68,9 +72,9 @@ class Worker:
         self.model = model
         self.model_name = config.model_name or model.name
         self.redis = redis
-        stream_name = request_stream(self.model_name)
-        self.stream = RequestStream(redis, stream_name, config.worker_id)
-        self.publisher = Publisher(redis, stream_name, config.worker_id, on_refused=self._on_refused, on_written=self._on_written)
+        streams = {priority: request_stream(self.model_name, priority) for priority in (INTERACTIVE, BATCH)}
+        self.stream = RequestStreams(redis, streams, config.worker_id)
+        self.publisher = Publisher(redis, streams, config.worker_id, on_refused=self._on_refused, on_written=self._on_written)
         self.engine = Engine(
             model,
             kv_memory_bytes=parse_kv_memory(config.kv_memory),
@@ -81,7 +85,7 @@ class Worker:
             on_step_seconds=lambda seconds: self.metrics.observe_step(seconds),
         )
         self.metrics = WorkerMetrics(self.model_name, lambda: self.engine.stats)
-        self.table = RequestTable(self.publisher, self.metrics.count_finished)
+        self.table = RequestTable(self.publisher, self.metrics.count_finished, LogprobEvents(model.tokenizer))
         self._room = asyncio.Event()
         self._early_cancels: dict[str, float] = {}  # request id -> when its cancellation arrived
 
@@ -142,24 +146,46 @@ class Worker:
     # ------------------------------------------------------------ Redis loops
 
     async def _read_loop(self) -> None:
+        """One reader per priority, each blocking on its own stream: an interactive request is read the
+        moment it arrives, even while a batch reader waits for room."""
+        readers = [asyncio.create_task(self._read_priority(priority), name=f"read-{priority}") for priority in (INTERACTIVE, BATCH)]
+        try:
+            await asyncio.gather(*readers)
+        finally:
+            await _cancel(readers)
+
+    async def _read_priority(self, priority: str) -> None:
         while True:
-            room = self.engine.free_slots()
+            room = self._room_for(priority)
             if room <= 0:
                 self._room.clear()
                 await self._room.wait()
                 continue
             try:
-                for entry in await self.stream.read_new(room, READ_BLOCK_MS):
+                for entry in await self.stream.read_new(priority, room, READ_BLOCK_MS):
                     await self._admit(entry, claimed=False)
             except RedisError as exc:
                 await self._recover_from(exc)
 
+    def _room_for(self, priority: str) -> int:
+        """How many entries of `priority` to take now.
+
+        Batch work takes only free slots (none while anything waits for pages), so a busy worker leaves
+        it to others. Interactive work also counts the slots batch work holds as room: the scheduler
+        preempts batch sequences for it. With no batch work held, both are the engine's free slots.
+        """
+        free = self.engine.free_slots()
+        held = [running.request.priority for running in self.table.running.values()]
+        if priority == BATCH or BATCH not in held:
+            return free
+        return max(free, self.config.max_seqs - held.count(INTERACTIVE))
+
     async def _claim_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.claim_idle_ms / 2000)
-            room = self.engine.free_slots()
+            rooms = {priority: self._room_for(priority) for priority in (INTERACTIVE, BATCH)}
             try:
-                for entry in await self.stream.claim_idle(self.config.claim_idle_ms, room) if room > 0 else []:
+                for entry in await self.stream.claim_idle(self.config.claim_idle_ms, rooms):
                     await self._admit(entry, claimed=True)
             except RedisError as exc:
                 await self._recover_from(exc)
@@ -249,6 +275,9 @@ class Worker:
                 streamed = await self._check_attempts_and_progress(entry, request)
             if time.time() > request.deadline:
                 raise ProtocolError("timeout", "the request's deadline passed before it started")
+            if request.task != "generate":
+                self.table.answer(entry.entry_id, request, answer_task(self.model, request))
+                return
             await self._hold_id(request, entry.entry_id)
             self._start(request, entry.entry_id, streamed)
         except RedisError:
@@ -288,9 +317,18 @@ class Worker:
             prompt_ids=request.prompt_ids,
             max_tokens=request.sampling.max_tokens,
             truncate=request.truncate,
+            tools=request.tools,
+            continue_final=request.continue_final,
         )
-        self.engine.add(GenRequest(request.id, prompt_ids, request.sampling, generated_ids=streamed))
-        self.table.start(request, entry_id, len(streamed))
+        constraint = request.constraint
+        if constraint is not None and constraint["type"] == "tool_calls":
+            constraint = tool_calls_grammar(constraint["tools"], constraint.get("parallel", True))
+        work = GenRequest(
+            request.id, prompt_ids, request.sampling, generated_ids=streamed, constraint=constraint, logprobs=request.logprobs,
+            priority=request.priority,
+        )
+        self.engine.add(work)
+        self.table.start(request, entry_id, len(streamed), len(prompt_ids))
         resumed = f", resuming after {len(streamed)} streamed tokens" if streamed else ""
         log.info("request_id=%s started: %d prompt tokens%s", request.id, len(prompt_ids), resumed, extra={"request_id": request.id})
         if self._early_cancels.pop(request.id, None) is not None:

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from protocol import Reply, Request, delta_event, done_event, error_event
+from protocol import Reply, Request, delta_event, done_event, error_event, started_event
 from worker.engine import SeqOutput
 from worker.publisher import Publisher
 from worker.request_spans import RequestSpans
@@ -31,17 +31,31 @@ class Running:
         return self.next_seq - 1
 
 
+LogprobMaps = Callable[[list], list[dict]]
+
+
 class RequestTable:
-    def __init__(self, publisher: Publisher, count_outcome: Callable[[str], None]):
+    def __init__(self, publisher: Publisher, count_outcome: Callable[[str], None], logprob_maps: LogprobMaps = lambda logprobs: []):
         self.publisher = publisher
         self.count_outcome = count_outcome  # called with a finish reason or an error code
+        self.logprob_maps = logprob_maps  # an output's TokenLogprobs as the protocol's maps (worker/logprob_events.py)
         self.running: dict[str, Running] = {}
         self._publishing: dict[str, RequestSpans] = {}  # entry id -> spans of an ended request until its write is done
 
-    def start(self, request: Request, entry_id: str, already_streamed: int) -> None:
-        # A dead worker sent at most one delta per streamed token, so its seq numbers stay below this.
+    def start(self, request: Request, entry_id: str, already_streamed: int, prompt_tokens: int) -> None:
+        """A request that asks to be announced gets `started` (seq 0) from its first run. A dead worker
+        sent that and at most one delta per streamed token, so a re-run's seq numbers start above them."""
         spans = RequestSpans(request, entry_id, self.publisher.consumer, already_streamed)
-        self.running[request.id] = Running(request, entry_id, next_seq=already_streamed, streamed=already_streamed, spans=spans)
+        first_seq = already_streamed + 1 if request.announce else already_streamed
+        self.running[request.id] = Running(request, entry_id, next_seq=first_seq, streamed=already_streamed, spans=spans)
+        if request.announce and not already_streamed:
+            self.publisher.send(entry_id, request.reply, started_event(request.id, 0, prompt_tokens))
+
+    def answer(self, entry_id: str, request: Request, event: dict) -> None:
+        """A request answered at once with one event (a tokenize task): sent, and its entry finished."""
+        self.count_outcome(event.get("finish_reason") or event.get("code", "done"))
+        self.publisher.send(entry_id, request.reply, event)
+        self.publisher.finish(entry_id, None)
 
     def on_step(self, outputs: list[SeqOutput]) -> None:
         """Turn one engine step's outputs into writes."""
@@ -88,7 +102,8 @@ class RequestTable:
         if not output.token_ids and not output.text:
             return
         request = running.request
-        event = delta_event(request.id, running.take_seq(), output.text, output.token_ids, running.streamed)
+        logprobs = self.logprob_maps(output.logprobs) if output.logprobs is not None else None
+        event = delta_event(request.id, running.take_seq(), output.text, output.token_ids, running.streamed, logprobs)
         self.publisher.send(running.entry_id, request.reply, event)
         if output.token_ids:
             running.spans.tokens_streamed()

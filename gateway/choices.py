@@ -1,0 +1,102 @@
+"""The `n` choices of one OpenAI request: n generations of the same prompt, read as one answer.
+
+Each choice is a protocol request of its own (`<id>-<index>`, seed + index when seeded), enqueued
+together: a worker that reads them together prefills the shared prompt once and the others find
+its pages in the prefix cache. Every fault guarantee of a single request holds for each choice.
+With n = 1 the request keeps its id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any
+
+import protocol
+
+from .context import Gateway
+from .generation import Delta, Done, Generation, Usage
+
+SEED_RANGE = 1 << 64
+
+
+def choice_requests(request: protocol.Request, n: int) -> list[protocol.Request]:
+    if n == 1:
+        return [request]
+    seed = request.sampling.seed
+
+    def choice(index: int) -> protocol.Request:
+        sampling = request.sampling if seed is None else dataclasses.replace(request.sampling, seed=(seed + index) % SEED_RANGE)
+        return dataclasses.replace(request, id=f"{request.id}-{index}", sampling=sampling)
+
+    return [choice(index) for index in range(n)]
+
+
+def total_usage(dones: list[Done]) -> Usage:
+    """As OpenAI counts n choices: the prompt once, every choice's completion tokens."""
+    first = dones[0].usage
+    return Usage(first.prompt_tokens, sum(done.usage.completion_tokens for done in dones), first.cached_tokens)
+
+
+class Choices:
+    def __init__(self, gateway: Gateway, requests: list[protocol.Request], api: str):
+        self.generations = [Generation(gateway, request, api) for request in requests]
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> "Choices":
+        async with contextlib.AsyncExitStack() as stack:
+            for generation in self.generations:
+                await stack.enter_async_context(generation)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self._stack.__aexit__(exc_type, exc, tb)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.generations[0].prompt_tokens
+
+    async def admitted(self, wait: float) -> bool:
+        """True once a worker admitted every choice within `wait` seconds; a refusal raises its ApiError."""
+        results = await asyncio.gather(*(generation.admitted(wait) for generation in self.generations))
+        return all(results)
+
+    async def results(self) -> list[tuple[str, list[dict[str, Any]], Done]]:
+        return list(await asyncio.gather(*(generation.result_with_logprobs() for generation in self.generations)))
+
+    async def events(self, keepalive: float) -> AsyncIterator[tuple[int, Delta | Done] | None]:
+        """Every choice's events as (index, event), merged as they come; None after `keepalive` idle seconds."""
+        if len(self.generations) == 1:
+            async for event in self.generations[0].events(keepalive):
+                yield None if event is None else (0, event)
+            return
+        queue: asyncio.Queue[tuple[int, Delta | Done] | BaseException] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._forward(index, generation, queue)) for index, generation in enumerate(self.generations)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                try:
+                    item = await asyncio.wait_for(queue.get(), keepalive)
+                except TimeoutError:
+                    yield None
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= isinstance(item[1], Done)
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    async def _forward(index: int, generation: Generation, queue: asyncio.Queue) -> None:
+        try:
+            async for event in generation.events():
+                queue.put_nowait((index, event))
+        except Exception as error:
+            queue.put_nowait(error)
