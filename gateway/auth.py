@@ -1,4 +1,8 @@
-"""Optional API keys, accepted as `Authorization: Bearer <key>` or `x-api-key: <key>` on /v1/*."""
+"""Optional API keys, accepted as `Authorization: Bearer <key>` or `x-api-key: <key>` on /v1/*.
+
+A line of the keys file may give the key its own rate limits after it (gateway/rate_limits.py):
+`sk-team-a requests=600 tokens=200000`; the words after the key are options, never part of it.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +21,24 @@ PROTECTED_PREFIX = "/v1/"
 def load_api_keys(config: GatewayConfig) -> frozenset[str]:
     """Keys from `api_keys` (comma-separated) and `api_keys_file` (one a line, `#` comments); empty = no auth."""
     keys = [key.strip() for key in config.api_keys.split(",")]
-    if config.api_keys_file:
-        lines = Path(config.api_keys_file).read_text(encoding="utf-8").splitlines()
-        keys += [line.strip() for line in lines if not line.strip().startswith("#")]
+    keys += list(key_file_options(config))
     return frozenset(key for key in keys if key)
+
+
+def key_file_options(config: GatewayConfig) -> dict[str, dict[str, str]]:
+    """Each key of `api_keys_file` with the `name=value` options that follow it on its line."""
+    if not config.api_keys_file:
+        return {}
+    keys: dict[str, dict[str, str]] = {}
+    for number, line in enumerate(Path(config.api_keys_file).read_text(encoding="utf-8").splitlines(), start=1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        options = dict(word.partition("=")[::2] for word in words[1:])
+        if any(not name or not value for name, value in options.items()):
+            raise ValueError(f"{config.api_keys_file}, line {number}: options after a key are name=value words")
+        keys[words[0]] = options
+    return keys
 
 
 def presented_key(request: web.Request) -> str | None:

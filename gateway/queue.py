@@ -1,4 +1,8 @@
-"""The request streams: enqueue (with backpressure), withdraw, cancel."""
+"""The request streams: enqueue (with backpressure), withdraw, cancel.
+
+A request goes to its model's stream for its priority (protocol/keys.py: interactive requests to
+`lmq:req:<model>`, batch ones to `lmq:req-batch:<model>`); the backpressure counts that stream.
+"""
 
 from __future__ import annotations
 
@@ -21,13 +25,13 @@ class RequestQueue:
         self.retry_after = retry_after
         self._streams_with_group: set[str] = set()
 
-    async def waiting(self, model: str) -> int:
-        """Requests in the model's stream that no worker has taken yet.
+    async def waiting(self, model: str, priority: str = "interactive") -> int:
+        """Requests in the model's stream of `priority` that no worker has taken yet.
 
         Workers delete finished entries, so the stream holds waiting and running work; the
         group's pending list holds the running part.
         """
-        stream = protocol.request_stream(model)
+        stream = protocol.request_stream(model, priority)
         await self._ensure_group(stream)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xlen(stream)
@@ -44,19 +48,19 @@ class RequestQueue:
 
     async def submit(self, request: protocol.Request) -> str:
         """Append the request to its model's stream; returns the entry id. A full queue is a 429."""
-        if await self.waiting(request.model) >= self.max_queue:
+        if await self.waiting(request.model, request.priority) >= self.max_queue:
             raise ApiError(
                 429,
                 f"the queue for {request.model} is full ({self.max_queue} requests waiting); retry later",
                 code="overloaded",
                 retry_after=self.retry_after,
             )
-        entry_id = await self.redis.xadd(protocol.request_stream(request.model), {"msg": request.encode()})
+        entry_id = await self.redis.xadd(protocol.request_stream(request.model, request.priority), {"msg": request.encode()})
         return entry_id.decode()
 
     async def taken(self, request: protocol.Request, entry_id: str) -> bool:
         """Whether a worker has read the request (it is pending in the group)."""
-        stream = protocol.request_stream(request.model)
+        stream = protocol.request_stream(request.model, request.priority)
         try:
             return bool(await self.redis.xpending_range(stream, protocol.REQUEST_GROUP, min=entry_id, max=entry_id, count=1))
         except RedisError as exc:
@@ -66,7 +70,7 @@ class RequestQueue:
     async def withdraw(self, request: protocol.Request, entry_id: str) -> None:
         """Take back a request the client no longer waits for: unread, it is deleted; running, it is cancelled."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xdel(protocol.request_stream(request.model), entry_id)
+        pipe.xdel(protocol.request_stream(request.model, request.priority), entry_id)
         pipe.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(request.id))
         try:
             await pipe.execute()

@@ -26,6 +26,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, RedisError, TimeoutError
 
 from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, Reply, applied_step_key, encode, encode_progress, holder_key, progress_key
+from protocol.keys import INTERACTIVE
+from worker.claims import split_handle
 from worker.step_script import LUA
 
 log = logging.getLogger(__name__)
@@ -51,9 +53,9 @@ class _EntryWrites:
     finish: bool = False
     dead_letter: tuple[bytes, str, str] | None = None  # raw msg, code, message
 
-    def arguments(self, entry_id: str) -> list[Any]:
+    def arguments(self, stream_number: int, entry_id: str) -> list[Any]:
         kind, key = (self.reply.kind, self.reply.key) if self.reply else ("", "")
-        record: list[Any] = [entry_id, kind, key, len(self.events), *self.events]
+        record: list[Any] = [stream_number, entry_id, kind, key, len(self.events), *self.events]
         keys = [progress_key(self.request_id), holder_key(self.request_id)] if self.request_id else ["", ""]
         record += [*keys, self.progress_offset * TOKEN_BYTES, encode_progress(self.progress)]
         record += ["1" if self.finish else "", "1" if self.dead_letter else ""]
@@ -64,13 +66,15 @@ class Publisher:
     def __init__(
         self,
         redis: aioredis.Redis,
-        request_stream: str,
+        request_streams: str | dict[str, str],
         consumer: str,
         on_refused: Refused | None = None,
         on_written: Callable[[list[str]], None] | None = None,
     ):
         self.redis = redis
-        self.request_stream = request_stream
+        # Entries are named by handles (worker/claims.py: entry_handle): each write goes to its entry's own stream.
+        self.request_streams = {INTERACTIVE: request_streams} if isinstance(request_streams, str) else dict(request_streams)
+        self._stream_numbers = {priority: number for number, priority in enumerate(self.request_streams, start=1)}
         self.consumer = consumer
         self.on_refused = on_refused or (lambda entry_id, status, detail: None)
         self.on_written = on_written or (lambda entry_ids: None)
@@ -134,10 +138,11 @@ class Publisher:
 
     async def _send(self, writes: dict[str, _EntryWrites]) -> None:
         self._step += 1
-        keys = [self.request_stream, DEAD_LETTER_STREAM, self._applied_key]
+        keys = [DEAD_LETTER_STREAM, self._applied_key, *self.request_streams.values()]
         args: list[Any] = [REQUEST_GROUP, self.consumer, self._step, KEY_TTL_S, REPLY_STREAM_MAXLEN, DEAD_LETTER_MAXLEN]
-        for entry_id, entry_writes in writes.items():
-            args += entry_writes.arguments(entry_id)
+        for handle, entry_writes in writes.items():
+            priority, entry_id = split_handle(handle)
+            args += entry_writes.arguments(self._stream_numbers[priority], entry_id)
         while True:
             try:
                 answer = await self._script(keys=keys, args=args)
@@ -148,14 +153,16 @@ class Publisher:
             except RedisError as exc:
                 # Nothing was written: the requests are handed back to the group (another run takes them over).
                 log.error("a step's writes were refused (%s); its %d requests are handed back", exc, len(writes))
-                answer = [part for entry_id in writes for part in (entry_id, "lost", str(exc))]
+                answer = [part for position in range(1, len(writes) + 1) for part in (position, "lost", str(exc))]
                 break
         self._report(answer, list(writes))
 
     def _report(self, answer: list, entry_ids: list[str]) -> None:
+        """`answer` names entries by their position among the step's records (1-based)."""
         refused: set[str] = set()
         for index in range(0, len(answer), 3):
-            entry_id, status, detail = (_text(part) for part in answer[index : index + 3])
+            position, status, detail = (_text(part) for part in answer[index : index + 3])
+            entry_id = entry_ids[int(position) - 1]
             if status == "orphan":
                 log.warning("entry %s is pending for nobody (the group was reset?); its events still go out", entry_id)
                 continue

@@ -20,11 +20,13 @@ Per entry the script answers one status: `ok` (owned and written), `lost` (anoth
 it now: nothing written), `orphan` (pending for nobody — the group was lost or the entry already
 acknowledged: events still go out, so a client whose request outlived a Redis flush gets its
 answer), or `denied` (the reply write was refused; the entry is acknowledged and dead-lettered).
-Only non-`ok` statuses are returned, as a flat list `entry, status, detail, ...`.
+Only non-`ok` statuses are returned, as a flat list `record, status, detail, ...` (record: the
+entry's 1-based position among the records, since two streams may hold entries of the same id).
 
-Arguments: KEYS = [request stream, dead-letter stream, applied-step key]; ARGV = [group, consumer,
-step number, key TTL, reply stream MAXLEN, dead-letter MAXLEN, then one record per entry:
-entry id, reply kind (pubsub | stream | ""), reply key, event count, the events (msgpack bytes),
+Arguments: KEYS = [dead-letter stream, applied-step key, then the request streams the entries come
+from (a worker serves one per priority)]; ARGV = [group, consumer, step number, key TTL, reply
+stream MAXLEN, dead-letter MAXLEN, then one record per entry: its stream (a 1-based position among
+the request streams of KEYS), entry id, reply kind (pubsub | stream | ""), reply key, event count, the events (msgpack bytes),
 progress key ("" = none), holder key ("" = none), progress byte offset, progress bytes, finish
 ("1" | "": acknowledge the entry, delete progress and holder), dead letter
 ("1" | ""), and when a dead letter: its msg, code and message].
@@ -33,7 +35,7 @@ progress key ("" = none), holder key ("" = none), progress byte offset, progress
 from __future__ import annotations
 
 LUA = r"""
-local stream, dead_stream, applied_key = KEYS[1], KEYS[2], KEYS[3]
+local dead_stream, applied_key = KEYS[1], KEYS[2]
 local group, me, step, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local reply_maxlen, dead_maxlen = ARGV[5], ARGV[6]
 
@@ -41,7 +43,7 @@ local last = tonumber(redis.call('GET', applied_key) or '-1')
 if last >= step then return {} end
 redis.call('SET', applied_key, step, 'EX', ttl)
 
-local function owner(entry)
+local function owner(stream, entry)
   local pending = redis.pcall('XPENDING', stream, group, entry, entry, 1)
   if type(pending) ~= 'table' or pending.err or #pending == 0 then return nil end
   return pending[1][2]
@@ -61,15 +63,16 @@ end
 -- Read the records.
 local records, i = {}, 7
 while i <= #ARGV do
-  local r = {entry = ARGV[i], kind = ARGV[i + 1], key = ARGV[i + 2], events = {}}
-  local n = tonumber(ARGV[i + 3])
-  for j = 1, n do r.events[j] = ARGV[i + 3 + j] end
-  i = i + 4 + n
+  local r = {stream = KEYS[2 + tonumber(ARGV[i])], entry = ARGV[i + 1], kind = ARGV[i + 2], key = ARGV[i + 3], events = {}}
+  local n = tonumber(ARGV[i + 4])
+  for j = 1, n do r.events[j] = ARGV[i + 4 + j] end
+  i = i + 5 + n
   r.progress_key, r.holder_key, r.progress_at, r.progress = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3]
   r.finish, r.dead = ARGV[i + 4] == '1', ARGV[i + 5] == '1'
   i = i + 6
   if r.dead then r.dead_msg, r.dead_code, r.dead_text = ARGV[i], ARGV[i + 1], ARGV[i + 2]; i = i + 3 end
-  local who = owner(r.entry)
+  r.position = #records + 1
+  local who = owner(r.stream, r.entry)
   if who == me then r.status = 'ok' elseif who then r.status = 'lost' else r.status = 'orphan' end
   r.owned = r.status == 'ok'
   records[#records + 1] = r
@@ -106,7 +109,7 @@ for _, r in ipairs(records) do
   if r.status == 'denied' and not r.owned then
     r.finish = false  -- denied before, in an earlier step: already acknowledged and dead-lettered
   elseif r.status == 'denied' then
-    local entry = redis.pcall('XRANGE', stream, r.entry, r.entry)
+    local entry = redis.pcall('XRANGE', r.stream, r.entry, r.entry)
     local msg = ''
     if type(entry) == 'table' and entry[1] then
       local fields = entry[1][2]
@@ -124,13 +127,13 @@ for _, r in ipairs(records) do
     end
   end
   if r.finish and r.status ~= 'lost' then
-    redis.pcall('XACK', stream, group, r.entry)
-    redis.pcall('XDEL', stream, r.entry)
+    redis.pcall('XACK', r.stream, group, r.entry)
+    redis.pcall('XDEL', r.stream, r.entry)
     if r.progress_key ~= '' then redis.pcall('DEL', r.progress_key) end
     if r.holder_key ~= '' then redis.pcall('DEL', r.holder_key) end
   end
   if r.status ~= 'ok' then
-    answer[#answer + 1] = r.entry
+    answer[#answer + 1] = r.position
     answer[#answer + 1] = r.status
     answer[#answer + 1] = r.detail or ''
   end

@@ -1,0 +1,67 @@
+"""One run of one batch item: its events read from its reply stream, folded into an answer or an end.
+
+The rules are those a live client's relay follows (gateway/generation.py): a delta whose `offset`
+is below the tokens already taken repeats them (a re-run after a worker death) and is dropped;
+one above it, or a `done` that counts more tokens than arrived, means events were lost. A lost
+answer is never written as a result: the runner runs the item again. The reply stream is durable,
+so a gateway that takes over a batch reads each run from the stream's start and gets the same.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a run ended: `done` (the worker's event), `error` (its event), or `lost` (a hole, or a vanished entry)."""
+
+    how: str
+    event: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ItemRun:
+    index: int
+    attempt: int
+    stream: str  # the request stream holding its entry
+    entry_id: str
+    reply_key: str
+    request_id: str
+    cursor: str = "0-0"  # the last reply stream entry read
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    tokens: int = 0  # completion tokens taken
+    heard_at: float = field(default_factory=time.monotonic)  # the last event (or the start)
+    withdrawn: bool = False
+
+    def feed(self, event: dict[str, Any]) -> Ended | None:
+        self.heard_at = time.monotonic()
+        kind = event.get("type")
+        if kind == "delta":
+            return self._delta(event)
+        if kind == "done":
+            completion = int((event.get("usage") or {}).get("completion_tokens", 0))
+            return Ended("lost") if completion > self.tokens else Ended("done", event)
+        if kind == "error":
+            return Ended("error", event)
+        return None  # `started`, and kinds a later worker may add
+
+    def _delta(self, event: dict[str, Any]) -> Ended | None:
+        offset = int(event.get("offset", 0))
+        token_ids = list(event.get("token_ids") or [])
+        if offset < self.tokens:
+            return None
+        if offset > self.tokens:
+            return Ended("lost")
+        self.tokens += len(token_ids)
+        self.texts.append(str(event.get("text", "")))
+        if isinstance(event.get("logprobs"), list):
+            self.logprobs += event["logprobs"]
+        return None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)

@@ -1,0 +1,342 @@
+"""The batch runner: every gateway runs one; each active batch is driven by exactly one gateway at a time.
+
+A gateway drives a batch while it holds the batch's lease (`SET NX PX`, renewed every tick, about
+twice a second); a gateway that dies stops renewing, and after `LEASE_MS` another one takes the
+batch over and continues from what Redis holds: which item is next, which runs are in flight (an
+entry in a request stream each, with a durable reply stream of its own), which outcomes are
+written. Nothing lives only in a driver's memory: what it folds from a run's events it reads again
+from the reply stream after a takeover.
+
+Driving a batch, tick by tick:
+
+1. keep up to `batch_in_flight` items in the queue: each is a protocol request with priority
+   `batch` (workers run it on spare capacity, after interactive work), its events on the reply
+   stream `lmq:batch:<id>:reply:<index>.<attempt>`; the XADD and the in-flight record are one script;
+2. read the runs' reply streams (one blocking XREAD for all) and fold each run's events
+   (item_run.py); a run that ended writes the item's outcome once (HSETNX: a result per item,
+   whatever ran twice);
+3. a run whose entry is gone from its stream and from the group's pending list without an end
+   on its reply stream was lost (a Redis that lost data, an entry withdrawn before a worker read
+   it): the item runs again, up to `MAX_ATTEMPTS`; so every item ends with exactly one outcome
+   (at-least-once execution, written once);
+4. when the batch is cancelled (or its completion window ends), in-flight runs are withdrawn (XDEL,
+   and a cancellation for a worker that holds one), items never started are `canceled`
+   (`expired`), and runs that finish anyway keep their answers;
+5. when every item has an outcome: OpenAI's output and error files are written, and the batch
+   ends (`completed`, `cancelled` or `expired`).
+
+A worker's death needs nothing here: another worker claims the entry and continues on the same
+reply stream (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+import protocol
+from protocol.keys import batch_reply_stream
+
+from ..context import Gateway
+from ..errors import ApiError
+from . import items, outputs
+from .item_run import Ended, ItemRun
+from .store import Batch, BatchStore, Run
+
+log = logging.getLogger(__name__)
+
+LEASE_MS = 6000
+SCAN_S = 1.0  # how often a gateway looks for batches nobody drives
+READ_BLOCK_MS = 500
+LOST_CHECK_S = 5.0  # a run silent this long is checked for a vanished entry
+MAX_ATTEMPTS = 3
+RETRY_S = 1.0
+
+
+class BatchRunner:
+    def __init__(self, gateway: Gateway, store: BatchStore):
+        self.gateway = gateway
+        self.store = store
+        self.me = gateway.config.gateway_id
+        self._drivers: dict[str, asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    def wake(self) -> None:
+        """A batch was created here: look for work now, not at the next scan."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Until `stop`: a flag, not a cancellation, which redis-py and Python 3.11's wait_for may swallow."""
+        while not self._stopping:
+            await self._take_batches()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), SCAN_S)
+            self._wake.clear()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop driving: every driver ends its tick and releases its lease, so another gateway takes over at once."""
+        self._stopping = True
+        self._wake.set()
+        drivers = list(self._drivers.values())
+        for driver in drivers:
+            driver.cancel()
+        deadline = time.monotonic() + timeout
+        while (running := [task for task in drivers if not task.done()]) and time.monotonic() < deadline:
+            for task in running:
+                task.cancel()  # again: a cancellation can be lost
+            await asyncio.wait(running, timeout=0.5)
+
+    async def _take_batches(self) -> None:
+        for batch_id, task in list(self._drivers.items()):
+            if task.done():
+                del self._drivers[batch_id]
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("driving batch %s failed", batch_id, exc_info=task.exception())
+        try:
+            for batch_id in await self.store.active():
+                if self._stopping:
+                    return
+                if batch_id not in self._drivers and await self.store.take_lease(batch_id, self.me, LEASE_MS):
+                    self._drivers[batch_id] = asyncio.create_task(self._drive(batch_id), name=f"batch-{batch_id}")
+        except RedisError as exc:
+            log.warning("could not look for batches to drive: %s", exc)
+
+    async def _drive(self, batch_id: str) -> None:
+        log.info("driving batch %s", batch_id)
+        try:
+            await Driver(self.gateway, self.store, self.me, batch_id).run()
+        except RedisError as exc:
+            log.warning("batch %s: redis: %s; handing it back", batch_id, exc)
+            await asyncio.sleep(RETRY_S)
+        finally:
+            with contextlib.suppress(RedisError):
+                await asyncio.shield(self.store.release_lease(batch_id, self.me))
+
+
+class Driver:
+    """One batch, while this gateway holds its lease."""
+
+    def __init__(self, gateway: Gateway, store: BatchStore, me: str, batch_id: str):
+        self.gateway = gateway
+        self.store = store
+        self.me = me
+        self.batch_id = batch_id
+        self.runs: dict[int, ItemRun] = {}
+        self._checked_at = time.monotonic()
+
+    async def run(self) -> None:
+        for index, run in (await self.store.runs(self.batch_id)).items():
+            self.runs[index] = self._item_run(index, run)
+        while await self.store.renew_lease(self.batch_id, self.me, LEASE_MS):
+            batch = await self.store.batch(self.batch_id)
+            if batch is None:
+                return  # deleted
+            if batch.ended:
+                await self.store.ended(self.batch_id)
+                return
+            if await self._tick(batch):
+                return
+        log.warning("batch %s: lease lost; another gateway drives it now", self.batch_id)
+
+    async def _tick(self, batch: Batch) -> bool:
+        """One round; True once the batch has ended."""
+        now = time.time()
+        if batch.status == "validating":
+            await self.store.update(self.batch_id, status="in_progress", in_progress_at=repr(now))
+            batch.fields["status"] = "in_progress"
+        ending = self._ending(batch, now)
+        if ending:
+            await self._withdraw_runs()
+            await self._skip_unstarted(batch, ending)
+        elif not await self._top_up(batch):
+            return False
+        if not self.runs and (ending or batch.number("next") >= batch.total):
+            await self._finish(batch, ending)
+            return True
+        await self._read_events(batch, ending)
+        await self._check_lost(batch, ending)
+        return False
+
+    @staticmethod
+    def _ending(batch: Batch, now: float) -> str | None:
+        """The outcome of items that will not run now: `canceled`, `expired`, or None while it goes on."""
+        if batch.status == "cancelling":
+            return "canceled"
+        if batch.status == "finalizing":  # every item has its outcome: only the files are left to write
+            return None
+        if now >= (batch.time("expires_at") or float("inf")):
+            return "expired"
+        return None
+
+    # ------------------------------------------------------------ enqueueing
+
+    async def _top_up(self, batch: Batch) -> bool:
+        """Fill the in-flight window; False when the batch moved on under us (the lease, a cancel)."""
+        start, total = batch.number("next"), batch.total
+        room = min(self.gateway.config.batch_in_flight - len(self.runs), total - start)
+        if room <= 0:
+            return True
+        for offset, item in enumerate(await self.store.items(self.batch_id, start, room)):
+            if not await self._start(batch, start + offset, item, attempt=1):
+                return False
+        return True
+
+    async def _start(self, batch: Batch, index: int, item: dict[str, Any], attempt: int, retries: int | None = None) -> bool:
+        request_id = f"{self.batch_id}.{index}.{attempt}"
+        reply_key = batch_reply_stream(self.batch_id, index, attempt)
+        try:
+            request = items.batch_request(self.gateway, item, request_id, reply_key, batch.time("expires_at") or time.time())
+        except ApiError as error:  # valid at upload; not under this gateway's settings (a smaller context, say)
+            outcome = {"outcome": "errored", "request_id": request_id, "error": {"status": error.status, "code": error.code or "bad_request", "message": error.message}}
+            if retries is not None:
+                return await self.store.record(self.batch_id, index, outcome, retries)
+            await self.store.record(self.batch_id, index, outcome, None)
+            return await self.store.pass_over(self.me, self.batch_id, index)
+        run = await self.store.enqueue(self.me, self.batch_id, index, attempt, request, retries)
+        if run is None:
+            return False
+        self.runs[index] = self._item_run(index, run)
+        return True
+
+    def _item_run(self, index: int, run: Run) -> ItemRun:
+        return ItemRun(
+            index, run.attempt, run.stream, run.entry_id, batch_reply_stream(self.batch_id, index, run.attempt), f"{self.batch_id}.{index}.{run.attempt}"
+        )
+
+    # ------------------------------------------------------------ reading the runs
+
+    async def _read_events(self, batch: Batch, ending: str | None) -> None:
+        if not self.runs:
+            await asyncio.sleep(READ_BLOCK_MS / 1000)
+            return
+        by_key = {run.reply_key: run for run in self.runs.values()}
+        reply = await self.store.redis.xread({key: run.cursor for key, run in by_key.items()}, count=256, block=READ_BLOCK_MS)
+        for key, entries in reply or []:
+            run = by_key[key.decode() if isinstance(key, bytes) else key]
+            await self._fold(batch, run, entries, ending)
+
+    async def _fold(self, batch: Batch, run: ItemRun, entries: list, ending: str | None) -> None:
+        for entry_id, fields in entries:
+            run.cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            try:
+                event = protocol.decode_event(fields.get(b"msg", b""))
+            except protocol.ProtocolError:
+                continue
+            ended = run.feed(event)
+            if ended is not None:
+                await self._settle(batch, run, ended, ending)
+                return
+
+    async def _check_lost(self, batch: Batch, ending: str | None) -> None:
+        """Runs silent for a while whose entry vanished without an end on their reply stream."""
+        now = time.monotonic()
+        if now - self._checked_at < LOST_CHECK_S:
+            return
+        self._checked_at = now
+        quiet = [run for run in self.runs.values() if now - run.heard_at >= LOST_CHECK_S]
+        gone = await self.store.gone([Run(run.attempt, run.stream, run.entry_id) for run in quiet])
+        for run, vanished in zip(quiet, gone):
+            if not vanished:
+                continue
+            # The step script writes a run's end and removes its entry in one step: read what it wrote.
+            entries = await self.store.redis.xrange(run.reply_key, f"({run.cursor}" if run.cursor != "0-0" else "-", "+")
+            await self._fold(batch, run, entries, ending)
+            if run.index in self.runs and self.runs[run.index] is run:
+                await self._settle(batch, run, Ended("lost"), ending)
+
+    # ------------------------------------------------------------ ends
+
+    async def _settle(self, batch: Batch, run: ItemRun, ended: Ended, ending: str | None) -> None:
+        outcome = self._outcome(run, ended, ending)
+        if outcome is None:
+            await self._retry(batch, run)
+            return
+        if await self.store.record(self.batch_id, run.index, outcome, run.attempt):
+            await self.store.redis.delete(run.reply_key)
+        self.runs.pop(run.index, None)
+
+    def _outcome(self, run: ItemRun, ended: Ended, ending: str | None) -> dict[str, Any] | None:
+        """The item's outcome from how its run ended; None: run it again."""
+        event = ended.event
+        base: dict[str, Any] = {"request_id": run.request_id}
+        if ended.how == "done" and event.get("finish_reason") != "cancelled":
+            finished = {key: event.get(key) for key in ("finish_reason", "stop_sequence")}
+            finished["extra"] = {key: event[key] for key in ("prompt_ids", "pieces", "max_context", "text") if key in event}
+            return base | {"outcome": "succeeded", "text": run.text, "logprobs": run.logprobs, "done": finished, "usage": event.get("usage") or {}}
+        if ended.how == "error":
+            code = str(event.get("code"))
+            if code == "timeout" and ending == "expired":
+                return base | {"outcome": "expired"}
+            error = ApiError.from_worker(code, str(event.get("message")))
+            return base | {"outcome": "errored", "error": {"status": error.status, "code": code, "message": error.message}}
+        if ending:  # cancelled, or lost, while the batch ends: it will not run again
+            return base | {"outcome": ending}
+        if run.attempt >= MAX_ATTEMPTS:
+            message = f"the item's answer was lost {run.attempt} times on the way from the workers"
+            return base | {"outcome": "errored", "error": {"status": 503, "code": "retry_limit", "message": message}}
+        return None
+
+    async def _retry(self, batch: Batch, run: ItemRun) -> None:
+        log.warning("batch %s: item %d's run %d was lost; running it again", self.batch_id, run.index, run.attempt)
+        await self._withdraw(run)
+        [item] = await self.store.items(self.batch_id, run.index, 1)
+        self.runs.pop(run.index, None)
+        await self._start(batch, run.index, item, run.attempt + 1, retries=run.attempt)
+        await self.store.redis.delete(run.reply_key)
+
+    async def _withdraw_runs(self) -> None:
+        for run in self.runs.values():
+            if not run.withdrawn:
+                await self._withdraw(run)
+
+    async def _withdraw(self, run: ItemRun) -> None:
+        """Take a run back: deleted if no worker read it, cancelled if one runs it (as a gateway withdraws)."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        pipe.xdel(run.stream, run.entry_id)
+        pipe.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(run.request_id))
+        await pipe.execute()
+        run.withdrawn = True
+        run.heard_at = 0.0  # check it for a vanished entry at the next chance
+
+    async def _skip_unstarted(self, batch: Batch, ending: str) -> None:
+        start = batch.number("next")
+        if start < batch.total:
+            await self.store.record_many(self.batch_id, [(index, {"outcome": ending}) for index in range(start, batch.total)])
+            await self.store.update(self.batch_id, next=batch.total)
+            batch.fields["next"] = str(batch.total)
+
+    async def _finish(self, batch: Batch, ending: str | None) -> None:
+        status = {None: "completed", "canceled": "cancelled", "expired": "expired"}[ending]
+        now = repr(time.time())
+        fields: dict[str, Any] = {}
+        if batch.api == "openai":
+            if status == "completed":  # OpenAI's status while the files are written (a cancel or expiry keeps its own)
+                await self.store.update(self.batch_id, status="finalizing", finalizing_at=now)
+            batch = await self.store.batch(self.batch_id) or batch
+            fields = await self._write_openai_files(batch)
+        await self.store.ended(self.batch_id, status=status, **{f"{status}_at": repr(time.time())}, **fields)
+        log.info("batch %s %s: %d items", self.batch_id, status, batch.total)
+
+    async def _write_openai_files(self, batch: Batch) -> dict[str, str]:
+        suffix = self.batch_id.removeprefix("batch_")
+        fields = {}
+        for succeeded, name in ((True, "output"), (False, "errors")):
+            if not (batch.number("succeeded") if succeeded else batch.finished - batch.number("succeeded")):
+                continue
+            file_id = f"file-{suffix}-{name}"
+
+            async def lines(wanted: bool = succeeded):
+                async for ok, line in outputs.openai_lines(self.store, batch):
+                    if ok == wanted:
+                        yield line
+
+            meta = {"filename": f"{self.batch_id}_{name}.jsonl", "purpose": "batch_output", "batch_id": self.batch_id}
+            await self.store.write_generated_file(file_id, meta, lines())
+            fields["output_file_id" if succeeded else "error_file_id"] = file_id
+        return fields

@@ -1,0 +1,431 @@
+"""Batches and files in Redis: everything a gateway needs to drive a batch, so any gateway can.
+
+Keys (spelled in protocol/keys.py):
+
+    lmq:batch:<id>            hash    the batch: api, status, timestamps, counts, next item to enqueue
+    lmq:batch:<id>:items      list    one JSON object per item ({custom_id, url, body}), in input order
+    lmq:batch:<id>:inflight   hash    item index -> "<attempt> <request stream> <entry id>": its run in the queue
+    lmq:batch:<id>:results    hash    item index -> the item's outcome (JSON), written once (HSETNX)
+    lmq:batch:<id>:lease      string  the gateway driving the batch (SET NX PX, renewed while it drives)
+    lmq:batches:<api>         zset    batch ids by creation time, for listing
+    lmq:batches-active        set     batches not ended yet: what gateways look for work in
+    lmq:file:<id>             hash    a file's metadata      lmq:file:<id>:data  string: its bytes
+    lmq:files                 zset    file ids by creation time
+
+Every change that must not happen twice is one Lua script: enqueueing an item checks the lease,
+the batch's status and that the item is the next one (or the attempt it retries is the one in
+flight) before it XADDs; recording an outcome is HSETNX, and the counts move only when that
+wrote. So two gateways that both believe they drive a batch (one stalled past its lease) enqueue
+nothing twice and count nothing twice. Ended batches and files expire after `RETENTION_S`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+import protocol
+from protocol.keys import ACTIVE_BATCHES, FILE_INDEX, batch_index, batch_key, file_key
+
+RETENTION_S = 30 * 86_400  # ended batches, their results and files are kept this long (OpenAI: 30 days)
+CHUNK = 1000  # items per Redis command when writing or reading many
+OUTCOMES = ("succeeded", "errored", "canceled", "expired")
+ENDED = ("completed", "failed", "cancelled", "expired")  # statuses (OpenAI's names) after which nothing runs
+
+ENQUEUE_LUA = r"""
+-- KEYS = [batch, inflight, lease, request stream]; ARGV = [gateway, index, attempt, msg, attempt it retries or ""]
+if redis.call('GET', KEYS[3]) ~= ARGV[1] then return false end
+if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' then return false end
+if ARGV[5] == '' then
+  if tonumber(redis.call('HGET', KEYS[1], 'next') or '-1') ~= tonumber(ARGV[2]) then return false end
+  redis.call('HINCRBY', KEYS[1], 'next', 1)
+else
+  local current = redis.call('HGET', KEYS[2], ARGV[2])
+  if not current or string.match(current, '^%S+') ~= ARGV[5] then return false end
+end
+if ARGV[4] == '' then return 'skipped' end  -- an item that cannot run: its outcome is written already
+local entry = redis.call('XADD', KEYS[4], '*', 'msg', ARGV[4])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3] .. ' ' .. KEYS[4] .. ' ' .. entry)
+return entry
+"""
+
+RECORD_LUA = r"""
+-- KEYS = [batch, inflight, results]; ARGV = [index, outcome JSON, outcome, attempt or "", prompt, completion, cached tokens]
+if ARGV[4] ~= '' then
+  local current = redis.call('HGET', KEYS[2], ARGV[1])
+  if current and string.match(current, '^%S+') ~= ARGV[4] then return 0 end
+end
+if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2]) == 1 then
+  redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+  redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[5])
+  redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[6])
+  redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+CANCEL_LUA = r"""
+-- KEYS = [batch]; ARGV = [now]: validating or in_progress -> cancelling; answers the status after
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'validating' or status == 'in_progress' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1])
+  return 'cancelling'
+end
+return status
+"""
+
+RENEW_LUA = r"""
+-- KEYS = [lease]; ARGV = [gateway, ms]: 1 while the lease is this gateway's (renewed), else 0
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+RELEASE_LUA = r"""
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+GONE_LUA = r"""
+-- KEYS = the request streams of runs; ARGV = [group, their entry ids]: 1 for each entry that is
+-- neither in its stream nor pending (it ended, or was withdrawn before a worker read it), else 0
+local gone = {}
+for i, stream in ipairs(KEYS) do
+  local entry = ARGV[i + 1]
+  local present = #redis.call('XRANGE', stream, entry, entry) > 0
+  if not present then
+    local pending = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
+    present = type(pending) == 'table' and not pending.err and #pending > 0
+  end
+  gone[i] = present and 0 or 1
+end
+return gone
+"""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass
+class Run:
+    """An item's run in the queue: which attempt, and where its entry is."""
+
+    attempt: int
+    stream: str
+    entry_id: str
+
+
+@dataclass
+class Batch:
+    id: str
+    fields: dict[str, str]
+
+    @classmethod
+    def from_hash(cls, batch_id: str, raw: dict) -> "Batch":
+        return cls(batch_id, {_text(k): _text(v) for k, v in raw.items()})
+
+    @property
+    def api(self) -> str:
+        return self.fields["api"]
+
+    @property
+    def status(self) -> str:
+        return self.fields["status"]
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED
+
+    def number(self, name: str) -> int:
+        return int(self.fields.get(name) or 0)
+
+    def time(self, name: str) -> float | None:
+        value = self.fields.get(name)
+        return float(value) if value else None
+
+    @property
+    def total(self) -> int:
+        return self.number("total")
+
+    @property
+    def finished(self) -> int:
+        return sum(self.number(outcome) for outcome in OUTCOMES)
+
+    def json(self, name: str) -> Any:
+        value = self.fields.get(name)
+        return json.loads(value) if value else None
+
+
+@dataclass
+class FileRecord:
+    id: str
+    fields: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return int(self.fields.get("bytes") or 0)
+
+
+class BatchStore:
+    def __init__(self, redis: aioredis.Redis):
+        self.redis = redis
+        self._enqueue = redis.register_script(ENQUEUE_LUA)
+        self._record = redis.register_script(RECORD_LUA)
+        self._cancel = redis.register_script(CANCEL_LUA)
+        self._renew = redis.register_script(RENEW_LUA)
+        self._release = redis.register_script(RELEASE_LUA)
+        self._gone = redis.register_script(GONE_LUA)
+        self._streams_with_group: set[str] = set()
+
+    # ------------------------------------------------------------ files
+
+    async def create_file(self, prefix: str, fields: dict[str, Any], data: bytes) -> FileRecord:
+        file_id = new_id(prefix)
+        created = int(time.time())
+        record = {**{k: str(v) for k, v in fields.items()}, "bytes": str(len(data)), "created_at": str(created)}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(file_key(file_id, "data"), data, ex=RETENTION_S)
+        pipe.hset(file_key(file_id), mapping=record)
+        pipe.expire(file_key(file_id), RETENTION_S)
+        pipe.zadd(FILE_INDEX, {file_id: created})
+        await pipe.execute()
+        return FileRecord(file_id, record)
+
+    async def write_generated_file(self, file_id: str, fields: dict[str, Any], lines: AsyncIterator[bytes]) -> FileRecord:
+        """A file the gateway writes (a batch's output) under a name it chose, appended about a MiB at a
+        time; written whole again if it existed (a gateway that took over a batch mid-way)."""
+        data_key = file_key(file_id, "data")
+        await self.redis.set(data_key, b"", ex=RETENTION_S)
+        size, buffer = 0, bytearray()
+        async for line in lines:
+            buffer += line
+            if len(buffer) >= 1 << 20:
+                size += await self._append(data_key, buffer)
+        size += await self._append(data_key, buffer)
+        created = int(time.time())
+        record = {**{k: str(v) for k, v in fields.items()}, "bytes": str(size), "created_at": str(created)}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(file_key(file_id), mapping=record)
+        pipe.expire(file_key(file_id), RETENTION_S)
+        pipe.zadd(FILE_INDEX, {file_id: created})
+        await pipe.execute()
+        return FileRecord(file_id, record)
+
+    async def _append(self, key: str, buffer: bytearray) -> int:
+        size = len(buffer)
+        if size:
+            await self.redis.append(key, bytes(buffer))
+            buffer.clear()
+        return size
+
+    async def file(self, file_id: str) -> FileRecord | None:
+        raw = await self.redis.hgetall(file_key(file_id))
+        return FileRecord(file_id, {_text(k): _text(v) for k, v in raw.items()}) if raw else None
+
+    async def file_chunks(self, file_id: str, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
+        key, start = file_key(file_id, "data"), 0
+        while True:
+            chunk = await self.redis.getrange(key, start, start + chunk_bytes - 1)
+            if not chunk:
+                return
+            yield chunk
+            start += len(chunk)
+
+    async def file_data(self, file_id: str) -> bytes:
+        return await self.redis.get(file_key(file_id, "data")) or b""
+
+    async def delete_file(self, file_id: str) -> bool:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(file_key(file_id), file_key(file_id, "data"))
+        pipe.zrem(FILE_INDEX, file_id)
+        deleted, _ = await pipe.execute()
+        return bool(deleted)
+
+    async def files(self, after: str | None, limit: int) -> tuple[list[FileRecord], bool]:
+        ids, has_more = await self._page(FILE_INDEX, after, None, limit)
+        records = [await self.file(file_id) for file_id in ids]
+        return [record for record in records if record is not None], has_more
+
+    # ------------------------------------------------------------ batches
+
+    async def create_batch(self, prefix: str, api: str, fields: dict[str, Any], items: list[str]) -> Batch:
+        """Items first, then the batch and its index entries in one transaction: a gateway never
+        finds an active batch without its items."""
+        batch_id = new_id(prefix)
+        for start in range(0, len(items), CHUNK):
+            await self.redis.rpush(batch_key(batch_id, "items"), *items[start : start + CHUNK])
+        now = time.time()
+        record = {**{k: str(v) for k, v in fields.items() if v is not None}, "api": api, "created_at": repr(now), "total": str(len(items)), "next": "0"}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(batch_key(batch_id), mapping=record)
+        pipe.zadd(batch_index(api), {batch_id: now})
+        pipe.sadd(ACTIVE_BATCHES, batch_id)
+        await pipe.execute()
+        return Batch(batch_id, record)
+
+    async def batch(self, batch_id: str, api: str | None = None) -> Batch | None:
+        raw = await self.redis.hgetall(batch_key(batch_id))
+        if not raw:
+            return None
+        batch = Batch.from_hash(batch_id, raw)
+        return batch if api is None or batch.api == api else None
+
+    async def batches(self, api: str, after: str | None, before: str | None, limit: int) -> tuple[list[Batch], bool]:
+        ids, has_more = await self._page(batch_index(api), after, before, limit)
+        found = []
+        for batch_id in ids:
+            batch = await self.batch(batch_id, api)
+            if batch is None:  # expired: drop it from the index as we go
+                await self.redis.zrem(batch_index(api), batch_id)
+            else:
+                found.append(batch)
+        return found, has_more
+
+    async def update(self, batch_id: str, **fields: Any) -> None:
+        await self.redis.hset(batch_key(batch_id), mapping={k: str(v) for k, v in fields.items()})
+
+    async def cancel(self, batch_id: str) -> str:
+        """Ask for cancellation; the batch's status afterwards."""
+        return _text(await self._cancel(keys=[batch_key(batch_id)], args=[repr(time.time())]))
+
+    async def delete_batch(self, batch: Batch) -> None:
+        parts = ("", "items", "inflight", "results", "lease")
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(*(batch_key(batch.id, part) for part in parts))
+        pipe.zrem(batch_index(batch.api), batch.id)
+        pipe.srem(ACTIVE_BATCHES, batch.id)
+        await pipe.execute()
+
+    async def ended(self, batch_id: str, **fields: Any) -> None:
+        """The batch's last status: off the active set, and kept for `RETENTION_S`."""
+        pipe = self.redis.pipeline(transaction=True)
+        if fields:
+            pipe.hset(batch_key(batch_id), mapping={k: str(v) for k, v in fields.items()})
+        pipe.srem(ACTIVE_BATCHES, batch_id)
+        for part in ("", "items", "results"):
+            pipe.expire(batch_key(batch_id, part), RETENTION_S)
+        pipe.delete(batch_key(batch_id, "inflight"))
+        await pipe.execute()
+
+    async def active(self) -> list[str]:
+        return sorted(_text(member) for member in await self.redis.smembers(ACTIVE_BATCHES))
+
+    async def items(self, batch_id: str, start: int, count: int) -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in await self.redis.lrange(batch_key(batch_id, "items"), start, start + count - 1)]
+
+    async def results(self, batch_id: str, total: int) -> AsyncIterator[tuple[int, dict[str, Any] | None]]:
+        """(index, outcome or None) of every item, in input order."""
+        for start in range(0, total, CHUNK):
+            indices = list(range(start, min(total, start + CHUNK)))
+            raws = await self.redis.hmget(batch_key(batch_id, "results"), indices)
+            for index, raw in zip(indices, raws):
+                yield index, json.loads(raw) if raw else None
+
+    # ------------------------------------------------------------ runs (runner.py)
+
+    async def runs(self, batch_id: str) -> dict[int, Run]:
+        raw = await self.redis.hgetall(batch_key(batch_id, "inflight"))
+        runs = {}
+        for index, value in raw.items():
+            attempt, stream, entry_id = _text(value).split(" ")
+            runs[int(index)] = Run(int(attempt), stream, entry_id)
+        return runs
+
+    async def enqueue(self, gateway_id: str, batch_id: str, index: int, attempt: int, request: protocol.Request, retries: int | None) -> Run | None:
+        """XADD the item's request, recorded as in flight in the same script; None when refused
+        (the lease or the item moved on: another gateway drives the batch now). `retries`: the
+        attempt this one replaces, None for the item's first."""
+        stream = protocol.request_stream(request.model, request.priority)
+        await self._ensure_group(stream)
+        entry_id = await self._enqueue_script(gateway_id, batch_id, index, stream, [attempt, request.encode(), "" if retries is None else str(retries)])
+        return Run(attempt, stream, _text(entry_id)) if entry_id else None
+
+    async def pass_over(self, gateway_id: str, batch_id: str, index: int) -> bool:
+        """Move past a new item that cannot run (its outcome is written): what `enqueue` checks, no XADD."""
+        return bool(await self._enqueue_script(gateway_id, batch_id, index, "", [0, "", ""]))
+
+    async def _enqueue_script(self, gateway_id: str, batch_id: str, index: int, stream: str, args: list[Any]) -> Any:
+        keys = [batch_key(batch_id), batch_key(batch_id, "inflight"), batch_key(batch_id, "lease"), stream or batch_key(batch_id)]
+        return await self._enqueue(keys=keys, args=[gateway_id, index, *args])
+
+    async def record(self, batch_id: str, index: int, outcome: dict[str, Any], attempt: int | None) -> bool:
+        """Write the item's outcome unless one is written; False when a newer attempt runs the item."""
+        usage = outcome.get("usage") or {}
+        keys = [batch_key(batch_id), batch_key(batch_id, "inflight"), batch_key(batch_id, "results")]
+        args = [
+            index, json.dumps(outcome, separators=(",", ":")), outcome["outcome"], "" if attempt is None else str(attempt),
+            usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0),
+        ]  # fmt: skip
+        return bool(await self._record(keys=keys, args=args))
+
+    async def record_many(self, batch_id: str, outcomes: list[tuple[int, dict[str, Any]]]) -> None:
+        """Outcomes of items that never ran (cancelled, expired), pipelined."""
+        keys = [batch_key(batch_id), batch_key(batch_id, "inflight"), batch_key(batch_id, "results")]
+        for start in range(0, len(outcomes), CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            for index, outcome in outcomes[start : start + CHUNK]:
+                await self._record(keys=keys, args=[index, json.dumps(outcome), outcome["outcome"], "", 0, 0, 0], client=pipe)
+            await pipe.execute()
+
+    async def gone(self, runs: list[Run]) -> list[bool]:
+        """For each run: its entry is neither in its stream nor pending (see GONE_LUA)."""
+        if not runs:
+            return []
+        flags = await self._gone(keys=[run.stream for run in runs], args=[protocol.REQUEST_GROUP, *(run.entry_id for run in runs)])
+        return [bool(int(flag)) for flag in flags]
+
+    # ------------------------------------------------------------ leases
+
+    async def take_lease(self, batch_id: str, gateway_id: str, ms: int) -> bool:
+        return bool(await self.redis.set(batch_key(batch_id, "lease"), gateway_id, nx=True, px=ms))
+
+    async def renew_lease(self, batch_id: str, gateway_id: str, ms: int) -> bool:
+        return bool(await self._renew(keys=[batch_key(batch_id, "lease")], args=[gateway_id, ms]))
+
+    async def release_lease(self, batch_id: str, gateway_id: str) -> None:
+        await self._release(keys=[batch_key(batch_id, "lease")], args=[gateway_id])
+
+    # ------------------------------------------------------------ helpers
+
+    async def _page(self, index: str, after: str | None, before: str | None, limit: int) -> tuple[list[str], bool]:
+        """Ids newest first: after `after` (older than it), or before `before` (newer than it)."""
+        if before:
+            rank = await self.redis.zrevrank(index, before)
+            if rank is None:
+                return [], False
+            start = max(0, rank - limit)
+            ids = await self.redis.zrevrange(index, start, rank - 1)
+            return [_text(i) for i in ids], start > 0
+        start = 0
+        if after:
+            rank = await self.redis.zrevrank(index, after)
+            if rank is None:
+                return [], False
+            start = rank + 1
+        ids = await self.redis.zrevrange(index, start, start + limit)
+        return [_text(i) for i in ids[:limit]], len(ids) > limit
+
+    async def _ensure_group(self, stream: str) -> None:
+        if stream in self._streams_with_group:
+            return
+        try:
+            await self.redis.xgroup_create(stream, protocol.REQUEST_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._streams_with_group.add(stream)
