@@ -12,12 +12,15 @@ figures for HF transformers' `generate` on the same GGUF, and lmq ÷ HF against 
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worker/config.py); before torch loads
+
 import argparse
 import asyncio
 import dataclasses
 import datetime
 import json
-import os
 import shlex
 import statistics
 import sys

