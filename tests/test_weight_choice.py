@@ -62,15 +62,16 @@ def test_no_dense_copies_when_they_would_not_fit() -> None:
 
 
 @pytest.mark.slow
-def test_both_weight_sets_of_the_auto_mode_stay_close_to_float32() -> None:
+def test_both_weight_sets_of_the_auto_mode_stay_close_to_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     from bench.quality import chat_logits, compare
     from reference_data import load_reference
     from test_reference import LIMITS
-    from worker.model.loader import load_model
+    from worker.model import loader
 
+    monkeypatch.setattr(loader, "MEASURE_WEIGHTS", True)
     chats = load_reference()["chat"]
-    float32 = chat_logits(load_model(dtype="float32", quant="none", device="cpu"), chats)
-    auto = load_model(device="cpu")
+    float32 = chat_logits(loader.load_model(dtype="float32", quant="none", device="cpu"), chats)
+    auto = loader.load_model(device="cpu")
     tiered = [module for module in auto.model.modules() if isinstance(module, TieredLinear)]
     assert auto.dense_from_rows is not None and len(tiered) == 4 * auto.config.num_layers + 1  # the head too
     for dense_from_rows, limits in ((1 << 30, LIMITS[("bfloat16", auto.quant)]), (1, LIMITS[("bfloat16", "none")])):
