@@ -39,6 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# OpenMP threads that spin while they wait burn CPU seconds that are not work, and on shared cores
+# take them from the other runs: wait passively, in this process and the server it starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import aiohttp
 import openai
 

@@ -230,7 +230,7 @@ class Scheduler:
         return any(
             other.num_computed < other.num_prompt_tokens and other.keys_upto(1, self.page_size)[0] == first
             for other in self.running
-            if len(other.token_ids) > self.page_size
+            if len(other.token_ids) > self.page_size and not (other.batch and not seq.batch)  # never wait on batch work
         )
 
     def _fit(self, seq: Sequence, budget: int) -> tuple[list[int], int, int] | None:
