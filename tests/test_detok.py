@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import pathlib
 
 import pytest
@@ -11,6 +12,7 @@ from tokenizers import Tokenizer
 
 from tiny_model import VOCAB
 from worker.detok import IncrementalDetokenizer, StopStrings, text_state
+from worker.token_bytes import _gpt2_unicode_to_byte
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,37 @@ def test_leading_space_after_the_prompt_is_kept(tokenizer: Tokenizer) -> None:
 def test_deltas_concatenate_to_the_full_decode(tokenizer: Tokenizer, prompt: list[int], generated: list[int]) -> None:
     deltas = stream(tokenizer, prompt, generated)
     assert "".join(deltas) == tokenizer.decode(generated, skip_special_tokens=True)
-    assert all(not delta.endswith("\ufffd") for delta in deltas[:-1])
+
+
+def byte_token(tokenizer: Tokenizer, value: int) -> int:
+    """The byte-level token for one byte."""
+    char = {byte: char for char, byte in _gpt2_unicode_to_byte().items()}[value]
+    return tokenizer.token_to_id(char)
+
+
+def test_invalid_bytes_come_out_at_once(tokenizer: Tokenizer) -> None:
+    # A model that samples stray continuation bytes must not have its whole answer held back.
+    deltas = stream(tokenizer, [], [byte_token(tokenizer, 0x80)] * 5 + [byte_token(tokenizer, ord("A"))])
+    assert deltas == ["\ufffd"] * 5 + ["A", ""]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.lists(st.integers(0, 255), max_size=40))
+def test_only_an_unfinished_character_is_held(tokenizer: Tokenizer, data: list[int]) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [])
+    emitted = ""
+    for end, value in enumerate(data, start=1):
+        emitted += detok.add(byte_token(tokenizer, value))
+        assert bytes(data[:end]).decode("utf-8", "replace").startswith(emitted)
+        held = _unfinished_tail(bytes(data[:end]))
+        assert emitted == bytes(data[: end - held]).decode("utf-8", "replace")
+    assert emitted + detok.flush() == bytes(data).decode("utf-8", "replace")
+
+
+def _unfinished_tail(data: bytes) -> int:
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data)
+    return len(decoder.getstate()[0])
 
 
 def feed(stops: StopStrings, pieces: list[str]) -> tuple[str, str | None]:
