@@ -31,6 +31,8 @@ test: install system-deps
 test-fast: install
 	$(BIN)/pytest -q -m "not slow"
 
+# lmq, llama-server compiled here (bench/build_llama_server.sh: ~10 minutes the first time, cached in .bench/)
+# and the xllamacpp wheel's server, all up, alternated level by level (bench/alternate.py); ~40 minutes.
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/run_all.py

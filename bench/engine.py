@@ -40,7 +40,7 @@ from worker import compute_thread
 from worker.model.loader import LoadedModel, default_model_path, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ["bfloat16/int4", "bfloat16/none", "bfloat16/int8", "float32/none"]
+MODES = ["auto/auto", "bfloat16/int4", "bfloat16/none", "bfloat16/int8", "float32/none"]  # auto: the default (worker/model/weight_choice.py)
 
 
 def prompt_ids(model: LoadedModel, length: int, salt: int) -> list[int]:

@@ -1,7 +1,8 @@
 """Where one decode step's milliseconds go, per group of operations, on this CPU.
 
-    .venv/bin/python -m bench.step_profile                          # bf16/int4 and none/int8, batch 1 and 16
-    .venv/bin/python -m bench.step_profile --modes bfloat16/int4 --batches 16 --context 1100
+    .venv/bin/python -m bench.step_profile                          # bf16/int4 and bf16/int8, batch 1 and 16
+    .venv/bin/python -m bench.step_profile --modes auto/auto --batches 16 --context 1100 --shared 1008
+    .venv/bin/python -m bench.step_profile --threads 1 --clock thread  # one core's CPU time: blind to other load
 
 A decode step of `batch` sequences with `context` tokens each in the paged KV pool, outside the
 engine (no Redis, no event loop): the step's input built the engine's way (`build_step_batch`),
@@ -15,7 +16,11 @@ drift hits both alike:
   remainder ("glue") is what no group covers: splits, views, residual adds, the activation, and the
   Python between them.
 
-CPU kernels are synchronous, so a wall-clock timer around a call is the call's cost.
+CPU kernels are synchronous, so a wall-clock timer around a call is the call's cost. Other processes
+on the cores stall some steps by whole scheduler slices, so each figure comes from the fastest half of
+its steps; with `--threads 1 --clock thread` the timers read the torch thread's own CPU time instead.
+The attention of git c54c0ae (token-by-token gathers) is timed too, so that the script can profile a
+checkout from before page gathers (docs/benchmarks.md shows how).
 """
 
 from __future__ import annotations

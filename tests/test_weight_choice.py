@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
-from worker.model.quant_linear import PackedLinear, TieredLinear
+from worker.model.quant_linear import Int4Linear, Int8Linear, PackedLinear, TieredLinear
 from worker.model.weight_choice import ROWS, choose_cpu_weights
 
 
@@ -81,3 +81,16 @@ def test_both_weight_sets_of_the_auto_mode_stay_close_to_float32(monkeypatch: py
         assert quality.mean_kl < limits.max_mean_kl, (dense_from_rows, quality)
         assert quality.max_kl < limits.max_kl, (dense_from_rows, quality)
         assert quality.clear_top1 >= limits.min_clear_top1, (dense_from_rows, quality)
+
+
+@pytest.mark.slow
+def test_the_default_cpu_mode_runs_the_head_of_small_steps_on_int8() -> None:
+    """With the measured choice off, `auto` is int4 linears and the tiered output head alone."""
+    from worker.model import loader
+
+    auto = loader.load_model(device="cpu")
+    head = auto.model.lm_head
+    assert isinstance(head, TieredLinear) and isinstance(head.small, Int8Linear) and isinstance(head.dense, PackedLinear)
+    assert head.dense_from_rows == auto.head_int8_below == loader.HEAD_INT8_BELOW
+    assert isinstance(auto.model.layers[0].gate_up, Int4Linear)
+    assert not any(isinstance(module, TieredLinear) for module in auto.model.layers.modules())

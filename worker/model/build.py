@@ -25,13 +25,22 @@ log = logging.getLogger(__name__)
 
 class WeightBuilder:
     """dense_from_rows: with int8/int4, also keep a packed dense copy of every linear for inputs of that many rows or more
-    (TieredLinear), and run the output head on int8 weights below that; None: one set of weights per linear."""
+    (TieredLinear); None: one set of weights per linear. head_int8_below: run the output head on int8 weights for
+    inputs of fewer rows than this, and on packed dense ones (the same results as F.linear) from there on."""
 
     def __init__(
-        self, weights: WeightMap, dtype: torch.dtype, quant: str, device: torch.device, name: str = "", dense_from_rows: int | None = None
+        self,
+        weights: WeightMap,
+        dtype: torch.dtype,
+        quant: str,
+        device: torch.device,
+        name: str = "",
+        dense_from_rows: int | None = None,
+        head_int8_below: int | None = None,
     ) -> None:
         self.weights, self.dtype, self.quant, self.device, self.name = weights, dtype, quant, device, name
         self.dense_from_rows = dense_from_rows if quant in ("int8", "int4") else None
+        self.head_int8_below = head_int8_below if quant in ("int8", "int4") else None
 
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.weights:
@@ -63,10 +72,10 @@ class WeightBuilder:
 
     def head(self, weight: torch.Tensor) -> torch.nn.Module:
         """The output head over `weight` [vocab, hidden] (often the embeddings themselves)."""
-        if self.dense_from_rows is None:
+        if self.head_int8_below is None:
             return DenseLinear(weight, None)
         small = Int8Linear(weight.float(), None, self.dtype).to(self.device)
-        return TieredLinear(small, PackedLinear(weight.to(self.dtype), None), self.dense_from_rows)
+        return TieredLinear(small, PackedLinear(weight.to(self.dtype), None), self.head_int8_below)
 
     def _tiered(self, small: torch.nn.Module, dense_weight, bias: torch.Tensor | None) -> torch.nn.Module:
         if self.dense_from_rows is None:
@@ -88,7 +97,8 @@ def build_model(
     device: torch.device,
     name: str = "",
     dense_from_rows: int | None = None,
+    head_int8_below: int | None = None,
 ) -> torch.nn.Module:
-    """quant: none, int8 or int4 (int4 falls back to int8 for shapes its kernel cannot take); dense_from_rows: see WeightBuilder."""
-    builder = WeightBuilder(weights, dtype, quant, device, name, dense_from_rows)
+    """quant: none, int8 or int4 (int4 falls back to int8 for shapes its kernel cannot take); the rest: see WeightBuilder."""
+    builder = WeightBuilder(weights, dtype, quant, device, name, dense_from_rows, head_int8_below)
     return family_by_key(config.architecture).build(config, builder).to(device).eval()

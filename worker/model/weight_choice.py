@@ -18,6 +18,10 @@ without; tests/test_weight_choice.py), and on packed bfloat16 for large ones.
 The dense copies cost 2 bytes per weight on top of the quantized ones, so they are kept only when
 they take at most DENSE_MEMORY_SHARE of the memory available at start-up; otherwise every step runs
 on the quantized weights.
+
+Off by default for now (worker/model/loader.py: MEASURE_WEIGHTS): a prefill on the dense bfloat16 copies
+meets bfloat16/none's near-tie on the default model's first answer to "What is the capital of France?".
+`quant auto` then keeps only the int8 output head for small steps (loader.HEAD_INT8_BELOW).
 """
 
 from __future__ import annotations
