@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_scheduler import fed, make_scheduler, run_step
-from worker.scheduler import Scheduler, Sequence, StepPlan
+from worker.scheduler import QUIET_STEPS, Scheduler, Sequence, StepPlan
 
 
 def seq(name: str, length: int, first_token: int = 0, priority: str = "interactive") -> Sequence:
@@ -103,7 +103,31 @@ def test_batch_sequences_run_when_no_interactive_prompt_is_read() -> None:
     assert fed(run_step(scheduler)) == {"chat": 1, "job": 3}  # then the batch prompt joins the decodes
 
 
-# ---------------------------------------------------------------- fuzz
+def test_beside_interactive_work_batch_sequences_take_turns_in_small_steps() -> None:
+    scheduler = make_scheduler(64, max_seqs=8, step_tokens=16, batch_tokens_beside_interactive=2)
+    jobs = [batch(f"job{i}", 3, first_token=10 * i) for i in range(4)]
+    for job in jobs:
+        scheduler.add(job)
+    assert fed(run_step(scheduler)) == {f"job{i}": 3 for i in range(4)}  # an idle worker: the whole step
+    scheduler.add(seq("chat", 3, first_token=100))
+    assert fed(run_step(scheduler)) == {"chat": 3}
+    assert fed(run_step(scheduler)) == {"chat": 1, "job0": 1, "job1": 1}  # the oldest batch sequences, 2 tokens
+    scheduler.remove(jobs[0])
+    assert fed(run_step(scheduler)) == {"chat": 1, "job1": 1, "job2": 1}
+
+
+def test_batch_steps_stay_small_for_a_while_after_interactive_work() -> None:
+    scheduler = make_scheduler(64, max_seqs=8, step_tokens=16, batch_tokens_beside_interactive=2)
+    for i in range(4):
+        scheduler.add(batch(f"job{i}", 3, first_token=10 * i))
+    chat = seq("chat", 3, first_token=100)
+    scheduler.add(chat)
+    run_step(scheduler)
+    scheduler.remove(chat)
+    # A client that sends its next request at once finds small steps, not a step of every batch sequence.
+    for _ in range(QUIET_STEPS):
+        assert sum(fed(run_step(scheduler)).values()) == 2
+    assert fed(run_step(scheduler)) == {"job0": 1, "job1": 1, "job2": 3, "job3": 3}  # then the whole step again
 
 operation = st.one_of(
     st.tuples(st.just("add"), st.sampled_from(["interactive", "batch"]), st.integers(1, 14), st.integers(1, 10), st.booleans()),
@@ -140,8 +164,9 @@ class Driver:
         scheduler = self.scheduler
         pending = {s: s.num_pending for s in scheduler.running}
         waiting_before = set(scheduler.waiting)
+        reads_prefix_before = {s for s in scheduler.waiting if scheduler._reading_its_prefix(s)}
         plan = run_step(scheduler)
-        check_rules(scheduler, plan, pending, waiting_before)
+        check_rules(scheduler, plan, pending, waiting_before, reads_prefix_before)
         for item in plan.scheduled:
             s = item.seq
             if item.samples and len(s.token_ids) - s.num_prompt_tokens >= self.limits[s]:
@@ -151,7 +176,9 @@ class Driver:
         return plan
 
 
-def check_rules(scheduler: Scheduler, plan: StepPlan, pending: dict[Sequence, int], waiting_before: set[Sequence]) -> None:
+def check_rules(
+    scheduler: Scheduler, plan: StepPlan, pending: dict[Sequence, int], waiting_before: set[Sequence], reads_prefix_before: set[Sequence]
+) -> None:
     items = plan.scheduled
     reads_interactive_prompt = any(
         not item.seq.batch and (item.seq in waiting_before or pending.get(item.seq, 0) > 1) for item in items
@@ -161,10 +188,25 @@ def check_rules(scheduler: Scheduler, plan: StepPlan, pending: dict[Sequence, in
     assert sum(item.num_tokens for item in items) <= scheduler.step_tokens
     budget_spent = sum(item.num_tokens for item in items) == scheduler.step_tokens
     interactive_preempted = any(not s.batch for s in plan.preempted)
-    if any(not s.batch for s in scheduler.waiting) and any(s.batch for s in scheduler.running):
+    head = scheduler.waiting[0] if scheduler.waiting else None
+    # A prompt whose first page another is still reading waits on purpose (the prefix cache rule).
+    prompt_readers = [item.seq for item in items if item.seq in waiting_before or pending.get(item.seq, 0) > 1]
+    waits_for_prefix = head is not None and (
+        head in reads_prefix_before or any(same_first_page(head, reader, scheduler.page_size) for reader in prompt_readers)
+    )
+    waits_for_room = head is not None and not head.batch and not waits_for_prefix
+    if waits_for_room and any(s.batch for s in scheduler.running):
         assert budget_spent or interactive_preempted, "an interactive sequence waits while a batch one holds its room"
+    interactive_work = any(not item.seq.batch for item in items) or any(not s.batch for s in scheduler.waiting)
+    if interactive_work:
+        batch_tokens = sum(item.num_tokens for item in items if item.seq.batch)
+        assert batch_tokens <= scheduler.batch_tokens_beside_interactive, "a big batch step beside interactive work"
     if any(s.batch for s in plan.preempted) and any(not s.batch for s in plan.preempted):
         assert not any(s.batch for s in scheduler.running), "an interactive sequence lost pages a batch one kept"
+
+
+def same_first_page(a: Sequence, b: Sequence, page_size: int) -> bool:
+    return min(len(a.token_ids), len(b.token_ids)) > page_size and a.token_ids[:page_size] == b.token_ids[:page_size]
 
 
 def check_accounts(scheduler: Scheduler) -> None:
@@ -186,9 +228,10 @@ def check_accounts(scheduler: Scheduler) -> None:
     pages=st.integers(7, 14),  # the longest sequence (14 + 10 tokens) needs 6 pages of 4
     max_seqs=st.integers(1, 5),
     step_tokens=st.integers(1, 16),
+    batch_tokens=st.integers(1, 16),
 )
-def test_random_mixes_keep_the_rules_and_every_page(operations: list, pages: int, max_seqs: int, step_tokens: int) -> None:
-    driver = Driver(make_scheduler(pages, max_seqs=max_seqs, step_tokens=step_tokens))
+def test_random_mixes_keep_the_rules_and_every_page(operations: list, pages: int, max_seqs: int, step_tokens: int, batch_tokens: int) -> None:
+    driver = Driver(make_scheduler(pages, max_seqs=max_seqs, step_tokens=step_tokens, batch_tokens_beside_interactive=batch_tokens))
     for op in operations:
         if op[0] == "add":
             driver.add(*op[1:])

@@ -20,6 +20,13 @@ victims, so the rules stay those of one queue. Three rules on top, each for time
   prompt's alone, so an interactive request's first token comes as fast under a batch load as on
   an idle worker, less the step it arrived during. Batch sequences keep their slots and pages and
   lose one step per interactive prompt (a long prompt: one per chunk).
+- **Beside interactive work, batch work is small.** While an interactive sequence runs or waits,
+  and for `QUIET_STEPS` steps after the last one left, a step carries at most
+  `batch_tokens_beside_interactive` batch tokens (the oldest batch sequences first; the others
+  keep their pages and wait their turn). An interactive request that arrives mid-step waits for
+  the rest of that step: a step of 64 batch decodes took ~1 s on 2 CPU cores, one of 8 a fraction
+  of that, and a client that sends its next request as soon as the last one ends arrives within
+  the quiet steps. With no interactive traffic, batch work has the whole step budget.
 - **Preempting batch sequences for an interactive one does not stop admissions**, as running out
   of pages does: the room was made for the sequence being admitted.
 
@@ -99,15 +106,42 @@ class PrefixStats:
     hit_tokens: int = 0
 
 
+@dataclass
+class Budget:
+    """The tokens a step may still take: in all, and for batch sequences."""
+
+    total: int
+    batch: int
+
+    def room(self, seq: Sequence) -> int:
+        return min(self.total, self.batch) if seq.batch else self.total
+
+    def take(self, seq: Sequence, wanted: int) -> int:
+        """Take up to `wanted` tokens for `seq`; returns how many it got."""
+        granted = min(wanted, self.room(seq))
+        self.total -= granted
+        if seq.batch:
+            self.batch -= granted
+        return granted
+
+
+QUIET_STEPS = 16  # steps after the last interactive sequence left during which batch work stays small
+BATCH_TOKENS_BESIDE_INTERACTIVE = 8
+
+
 def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, *, max_seqs: int, step_tokens: int, max_context: int) -> None:
+    def __init__(
+        self, kv: KVCache, *, max_seqs: int, step_tokens: int, max_context: int, batch_tokens_beside_interactive: int = BATCH_TOKENS_BESIDE_INTERACTIVE
+    ) -> None:
         self.kv = kv
         self.max_seqs = max_seqs
         self.step_tokens = step_tokens
+        self.batch_tokens_beside_interactive = batch_tokens_beside_interactive
+        self.steps_without_interactive = QUIET_STEPS  # an idle worker gives batch work the whole step
         self.page_size = kv.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -133,28 +167,38 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """The next step: decodes, then prompt chunks, then admissions, each in priority order; no
-        batch tokens in a step that reads an interactive prompt (one running, or one to admit)."""
+        batch tokens in a step that reads an interactive prompt (one running, or one to admit), and
+        few beside interactive work."""
         order = self._in_priority_order()
         reading_interactive = any(not seq.batch and seq.num_pending > 1 for seq in order) or self._interactive_waits()
         eligible = [seq for seq in order if not (reading_interactive and seq.batch)]
-        budget = self.step_tokens
+        batch_limit = self._batch_token_limit(order)
+        budget = Budget(self.step_tokens, batch_limit)
         tokens: dict[Sequence, int] = {}
         for seq in eligible:
-            if seq.num_pending == 1 and budget > 0:
+            if seq.num_pending == 1 and budget.take(seq, 1):
                 tokens[seq] = 1
-                budget -= 1
         for seq in eligible:
-            if seq.num_pending > 1 and budget > 0:
-                tokens[seq] = min(seq.num_pending, budget)
-                budget -= tokens[seq]
+            if seq.num_pending > 1 and (granted := budget.take(seq, seq.num_pending)):
+                tokens[seq] = granted
         preempted = self._reserve_pages(tokens)
         scheduled = [_scheduled(seq, n) for seq, n in tokens.items() if seq.row >= 0]
         interactive_lost = any(not seq.batch for seq in preempted)
         if not interactive_lost:
-            remaining = self.step_tokens - sum(item.num_tokens for item in scheduled)
+            left = Budget(self.step_tokens, batch_limit)  # what the reserved pages left of the step
+            for item in scheduled:
+                left.take(item.seq, item.num_tokens)
             admit_batch = not reading_interactive and not preempted
-            scheduled += self._admit(remaining, admit_batch, {item.seq for item in scheduled}, preempted)
+            scheduled += self._admit(left, admit_batch, {item.seq for item in scheduled}, preempted)
         return StepPlan(scheduled=scheduled, preempted=preempted)
+
+    def _batch_token_limit(self, order: list[Sequence]) -> int:
+        """How many batch tokens the next step may carry (see "Beside interactive work" above)."""
+        if any(not seq.batch for seq in order) or self._interactive_waits():
+            self.steps_without_interactive = 0
+        else:
+            self.steps_without_interactive += 1
+        return self.step_tokens if self.steps_without_interactive > QUIET_STEPS else self.batch_tokens_beside_interactive
 
     def complete(self, plan: StepPlan) -> None:
         """Record that the plan's tokens are now in the cache; offer newly full pages to the prefix cache."""
@@ -198,15 +242,15 @@ class Scheduler:
             self._append_pages(seq, self.kv.allocate(needed))
         return granted
 
-    def _admit(self, budget: int, admit_batch: bool, busy: set[Sequence], preempted: list[Sequence]) -> list[Scheduled]:
+    def _admit(self, budget: Budget, admit_batch: bool, busy: set[Sequence], preempted: list[Sequence]) -> list[Scheduled]:
         """Start waiting sequences in queue order while the budget, slots and pages allow. An
         interactive one that does not fit preempts batch sequences not in this step (`busy`) until it does."""
         admitted = []
-        while self.waiting and budget > 0:
+        while self.waiting and budget.room(self.waiting[0]) > 0:
             seq = self.waiting[0]
             if (seq.batch and not admit_batch) or self._reading_its_prefix(seq):
                 break
-            fit = self._fit(seq, budget) if len(self.running) < self.max_seqs else None
+            fit = self._fit(seq, budget.room(seq)) if len(self.running) < self.max_seqs else None
             if fit is None:
                 victim = None if seq.batch else self._newest_batch(busy)
                 if victim is None:
@@ -219,7 +263,7 @@ class Scheduler:
             self.kv.acquire(cached_pages)
             self._start(seq, cached_pages + self.kv.allocate(new_pages), len(cached_pages) * self.page_size)
             admitted.append(_scheduled(seq, num_tokens))
-            budget -= num_tokens
+            budget.take(seq, num_tokens)
         return admitted
 
     def _reading_its_prefix(self, seq: Sequence) -> bool:
