@@ -78,6 +78,14 @@ def note(**fields: Any) -> None:
             setattr(record, name, value)
 
 
+def tokens_used(request: web.Request) -> int:
+    """Prompt + completion tokens the request's access line reports (0 before it knows them)."""
+    record = request.get(_RECORD)
+    if record is None:
+        return 0
+    return (record.prompt_tokens or 0) + (record.completion_tokens or 0)
+
+
 def usable_id(value: str | None) -> str | None:
     return value if value is not None and _USABLE_ID.match(value) else None
 

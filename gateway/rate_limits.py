@@ -165,16 +165,9 @@ def _middleware(limiter: RateLimiter):
             return await handler(request)
         finally:
             if limits.tokens:
-                await limiter.charge(key, _tokens_used(request))
+                await limiter.charge(key, access_log.tokens_used(request))
 
     return limit
-
-
-def _tokens_used(request: web.Request) -> int:
-    record = request.get(access_log._RECORD)  # what the access line reports: generation.py notes it
-    if record is None:
-        return 0
-    return (record.prompt_tokens or 0) + (record.completion_tokens or 0)
 
 
 async def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
