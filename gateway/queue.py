@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 import protocol
+from protocol.request_groups import RequestGroups
 
 from .errors import ApiError
 
@@ -23,7 +24,7 @@ class RequestQueue:
         self.redis = redis
         self.max_queue = max_queue
         self.retry_after = retry_after
-        self._streams_with_group: set[str] = set()
+        self.groups = RequestGroups(redis)
 
     async def waiting(self, model: str, priority: str = "interactive") -> int:
         """Requests in the model's stream of `priority` that no worker has taken yet.
@@ -32,7 +33,7 @@ class RequestQueue:
         group's pending list holds the running part.
         """
         stream = protocol.request_stream(model, priority)
-        await self._ensure_group(stream)
+        await self.groups.ensure(stream)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xlen(stream)
         pipe.xpending(stream, protocol.REQUEST_GROUP)
@@ -41,8 +42,8 @@ class RequestQueue:
         except ResponseError as exc:
             if not str(exc).startswith("NOGROUP"):
                 raise
-            self._streams_with_group.discard(stream)  # lost with Redis's data: create it again
-            await self._ensure_group(stream)
+            self.groups.forget(stream)  # lost with Redis's data: create it again
+            await self.groups.ensure(stream)
             return await self.redis.xlen(stream)
         return max(0, length - pending["pending"])
 
@@ -76,13 +77,3 @@ class RequestQueue:
             await pipe.execute()
         except RedisError as exc:  # the worker still drops it at its deadline
             log.warning("could not withdraw %s: %s", request.id, exc)
-
-    async def _ensure_group(self, stream: str) -> None:
-        if stream in self._streams_with_group:
-            return
-        try:
-            await self.redis.xgroup_create(stream, protocol.REQUEST_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        self._streams_with_group.add(stream)

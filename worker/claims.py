@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 
 from protocol import REQUEST_GROUP
 from protocol.keys import INTERACTIVE
+from protocol.request_groups import create_request_group
 from worker.step_script import KEEP_LUA
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,7 @@ class RequestStream:
 
     async def ensure_group(self) -> None:
         """Create the consumer group (and the stream); whoever starts first does it."""
-        try:
-            await self.redis.xgroup_create(self.stream, REQUEST_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await create_request_group(self.redis, self.stream)
 
     async def read_new(self, count: int, block_ms: int) -> list[Entry]:
         """Up to `count` entries never delivered to anyone, waiting at most `block_ms`."""

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 import protocol
 from protocol.keys import ACTIVE_BATCHES, FILE_INDEX, batch_index, batch_key, file_key
+from protocol.request_groups import RequestGroups
 
 RETENTION_S = 30 * 86_400  # ended batches, their results and files are kept this long (OpenAI: 30 days)
 CHUNK = 1000  # items per Redis command when writing or reading many
@@ -190,7 +190,7 @@ class BatchStore:
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
         self._gone = redis.register_script(GONE_LUA)
-        self._streams_with_group: set[str] = set()
+        self.groups = RequestGroups(redis)
 
     # ------------------------------------------------------------ files
 
@@ -351,7 +351,7 @@ class BatchStore:
         (the lease or the item moved on: another gateway drives the batch now). `retries`: the
         attempt this one replaces, None for the item's first."""
         stream = protocol.request_stream(request.model, request.priority)
-        await self._ensure_group(stream)
+        await self.groups.ensure(stream)
         entry_id = await self._enqueue_script(gateway_id, batch_id, index, stream, [attempt, request.encode(), "" if retries is None else str(retries)])
         return Run(attempt, stream, _text(entry_id)) if entry_id else None
 
@@ -419,13 +419,3 @@ class BatchStore:
             start = rank + 1
         ids = await self.redis.zrevrange(index, start, start + limit)
         return [_text(i) for i in ids[:limit]], len(ids) > limit
-
-    async def _ensure_group(self, stream: str) -> None:
-        if stream in self._streams_with_group:
-            return
-        try:
-            await self.redis.xgroup_create(stream, protocol.REQUEST_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        self._streams_with_group.add(stream)
