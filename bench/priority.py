@@ -4,17 +4,18 @@ the batch job's throughput next to the engine's.
     .venv/bin/python bench/priority.py                      # the default model, 2 threads
     .venv/bin/python bench/priority.py --model tests/...    # any model lmq loads
 
-One `lmq serve` (embedded Redis, one worker, one gateway). In order:
+One `lmq serve` (embedded Redis, one worker, one gateway). What it measures:
 
-1. **idle TTFT**: streaming chat completions from 1, then 4, closed-loop interactive streams;
-2. **batch throughput**: the job's requests as one OpenAI batch (client.batches.create), nothing
-   else running: completion tokens / (creation → completed);
-3. **engine throughput** (before the server starts, in this process): the same requests handed to
-   an `Engine` all at once, with the worker's settings and thread count: what the engine does with
-   this work with no queue, gateway or batch machinery at all;
-4. **TTFT under batch load**: a batch of `--load-items` running (the worker full of batch work),
-   then the interactive levels of step 1 again; the load batch's throughput meanwhile; then it is
-   cancelled.
+- **engine throughput** (first, in this process, before the server starts): the job's requests
+  handed to an `Engine` all at once, with the worker's settings and thread count: what the engine
+  does with this work with no queue, gateway or batch machinery at all;
+- **batch throughput**: the same requests as one OpenAI batch (client.batches.create), nothing
+  else running: completion tokens / (creation → completed);
+- **idle TTFT**: streaming chat completions from 1, then 4, closed-loop interactive streams;
+- **TTFT under batch load**: a batch of `--load-items` running (the worker full of batch work),
+  then the same interactive levels; the load batch's throughput meanwhile; then it is cancelled.
+  Idle and loaded levels alternate `--rounds` times and each level's TTFTs are pooled, so a host
+  whose speed drifts (shared cores) skews the idle and the loaded figures alike.
 
 Targets (issue #17): TTFT under load ≤ 1.5 × idle at 1 and 4 streams; batch ≥ 90 % of the engine.
 
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=32, help="completion tokens of each batch request")
     parser.add_argument("--ttft-requests", type=int, default=16, help="interactive requests per level")
     parser.add_argument("--ttft-max-tokens", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="idle and loaded TTFT levels alternate this many times; the TTFTs are pooled")
     parser.add_argument("--json", type=Path, help="write the figures here")
     return parser
 
@@ -111,8 +113,20 @@ async def ttft_level(client: ChatClient, streams: int, requests: int, first_inde
     errors = [r.error for r in results if not r.ok]
     if errors:
         raise RuntimeError(f"{len(errors)} interactive requests failed: {errors[:3]}")
-    ttfts = sorted(r.ttft * 1000 for r in results)
-    return {"streams": streams, "requests": requests, "ttft_p50_ms": statistics.median(ttfts), "ttft_p95_ms": ttfts[int(0.95 * (len(ttfts) - 1))]}
+    return level_figures(streams, [r.ttft * 1000 for r in results])
+
+
+def level_figures(streams: int, ttfts_ms: list[float]) -> dict:
+    ttfts = sorted(ttfts_ms)
+    return {
+        "streams": streams, "requests": len(ttfts), "ttft_p50_ms": statistics.median(ttfts),
+        "ttft_p95_ms": ttfts[int(0.95 * (len(ttfts) - 1))], "ttfts_ms": ttfts,
+    }  # fmt: skip
+
+
+def pooled(rounds: list[list[dict]]) -> list[dict]:
+    """Each level's TTFTs of every round together (rounds: [[level per streams], ...])."""
+    return [level_figures(levels[0]["streams"], [t for level in levels for t in level["ttfts_ms"]]) for levels in zip(*rounds)]
 
 
 def engine_throughput(args: argparse.Namespace, first_index: int) -> dict:
@@ -208,10 +222,16 @@ async def measure(args: argparse.Namespace, base: str, server_pid: int) -> dict:
         client.model = await client.first_model()
         sdk = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
         await ttft_level(client, 2, 4, 900_000, args.ttft_max_tokens)  # warm-up
-        idle = [await ttft_level(client, streams, args.ttft_requests, 100_000 + streams * 1000, args.ttft_max_tokens) for streams in (1, 4)]
         batch = await batch_throughput(sdk, client.model, args, 300_000, server_pid)
-        loaded = await loaded_levels(client, sdk, client.model, args, 400_000)
-    return {"model": client.model, "idle": idle, "batch": batch, "loaded": loaded}
+        idle_rounds, loaded_rounds, meanwhile = [], [], []
+        for round_index in range(args.rounds):  # idle, loaded, idle, loaded: the host's drift hits both alike
+            first = 1_000_000 * (round_index + 1)
+            idle_rounds.append([await ttft_level(client, streams, args.ttft_requests, first + streams * 1000, args.ttft_max_tokens) for streams in (1, 4)])
+            loaded = await loaded_levels(client, sdk, client.model, args, first + 100_000)
+            loaded_rounds.append(loaded["levels"])
+            meanwhile.append(loaded["batch_tokens_per_s_meanwhile"])
+    loaded = {"levels": pooled(loaded_rounds), "batch_tokens_per_s_meanwhile": statistics.mean(meanwhile)}
+    return {"model": client.model, "idle": pooled(idle_rounds), "batch": batch, "loaded": loaded}
 
 
 def with_ratios(figures: dict) -> dict:
