@@ -26,7 +26,8 @@ class ReplyRouter:
     restart, a network cut), events published until it is re-subscribed are gone. Every request
     open then gets an `unavailable` error instead of an answer with a silent hole in it. A break
     shows as a ConnectionError, or, where redis-py reconnected by itself, as a second `subscribe`
-    confirmation.
+    confirmation. `listening` is false from a ConnectionError until the next confirmation: /ready
+    says 503 meanwhile, since a request taken then would fail when the subscription comes back.
     """
 
     def __init__(self, redis: aioredis.Redis, channel: str):
@@ -35,10 +36,12 @@ class ReplyRouter:
         self._queues: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._pubsub: aioredis.client.PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
+        self.listening = False
 
     async def start(self) -> None:
         self._pubsub = self.redis.pubsub()
         await self._pubsub.subscribe(self.channel)
+        self.listening = True
         self._reader = asyncio.create_task(self._read(), name=f"replies:{self.channel}")
 
     async def stop(self) -> None:
@@ -68,6 +71,7 @@ class ReplyRouter:
                 message = await self._pubsub.get_message(timeout=None)
             except (ConnectionError, TimeoutError) as exc:
                 log.warning("reply subscription lost (%s); reconnecting", exc)
+                self.listening = False
                 self._fail_open_requests()
                 await asyncio.sleep(RECONNECT_DELAY_S)
                 continue
@@ -77,7 +81,7 @@ class ReplyRouter:
                 if subscribed:
                     log.warning("reply subscription was re-established; events sent meanwhile are lost")
                     self._fail_open_requests()
-                subscribed = True
+                subscribed = self.listening = True
             elif message["type"] == "message":
                 self._route(message["data"])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from gateway.config import GatewayConfig
+from protocol.sentinel_url import is_sentinel_url, parse_sentinel_url
 from worker.config import DTYPES, QUANTS, WorkerConfig, parse_kv_memory
 
 from .logs import check_format, check_level
@@ -16,6 +17,7 @@ def check_gateway(config: GatewayConfig) -> None:
     """Refuse settings that cannot work, before anything starts (ValueError naming the setting)."""
     check_level(config.log_level)
     check_format(config.log_format)
+    check_redis_url(GatewayConfig, config.redis_url)
     at_least(config, "port", 1, 65535)
     for name in ("request_timeout", "pickup_timeout", "keepalive_seconds", "admission_wait"):
         if not getattr(config, name) > 0:
@@ -39,6 +41,7 @@ def check_worker(config: WorkerConfig) -> None:
 
     check_level(config.log_level)
     check_format(config.log_format)
+    check_redis_url(WorkerConfig, config.redis_url)
     if config.model and not os.path.exists(config.model):
         raise ValueError(f"{name('model')}: no such file or directory: {config.model}")
     if config.model and os.path.isdir(config.model) and not os.path.isfile(os.path.join(config.model, "config.json")):
@@ -58,3 +61,13 @@ def check_worker(config: WorkerConfig) -> None:
     at_least(config, "threads", 0)
     at_least(config, "grace_seconds", 0)
     at_least(config, "metrics_port", 0, 65535)
+
+
+def check_redis_url(settings_class: type, url: str) -> None:
+    """A Sentinel URL lmq cannot read (protocol/sentinel_url.py) is refused here; any other URL
+    is redis-py's to read, at the start-up PING (lmq/serve.py: check_redis)."""
+    if is_sentinel_url(url):
+        try:
+            parse_sentinel_url(url)
+        except ValueError as exc:
+            raise ValueError(f"{setting_name(settings_class, 'redis_url')}: {exc}") from None

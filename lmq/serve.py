@@ -14,6 +14,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -41,7 +42,8 @@ class FatalError(Exception):
 
 
 def redacted(url: str) -> str:
-    """`url` without its password."""
+    """`url` without its passwords (a Sentinel URL's sentinels may have one of their own)."""
+    url = re.sub(r"([?&]sentinel_password=)[^&#]*", r"\1***", url)
     try:
         parts = urlsplit(url)
         if parts.password is None:
@@ -82,12 +84,14 @@ def _message(exc: BaseException) -> str:
 def check_redis(url: str, channels: tuple[str, ...] = (), timeout: float = REDIS_CHECK_TIMEOUT_S) -> None:
     """PING the Redis at `url` and subscribe to `channels` (the process's own: a refused SUBSCRIBE
     would otherwise show only later); FatalError naming the problem if it does not answer as it should."""
-    import redis
     import redis.exceptions as redis_errors
+    from redis.sentinel import MasterNotFoundError
+
+    from protocol.redis_client import connect_sync
 
     where = redacted(url)
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        client = connect_sync(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     except ValueError as exc:
         raise FatalError(f"REDIS_URL {where!r} is not a Redis URL: {exc}") from exc
     try:
@@ -102,12 +106,23 @@ def check_redis(url: str, channels: tuple[str, ...] = (), timeout: float = REDIS
         raise FatalError(f"REDIS_URL has a password but Redis at {where} has none: {_message(exc)}") from exc
     except redis_errors.NoPermissionError as exc:
         raise FatalError(f"the Redis user in REDIS_URL lacks a permission lmq needs at {where}: {_message(exc)} (docs/deploy.md has the ACL to give it)") from exc
+    except MasterNotFoundError as exc:
+        raise FatalError(f"cannot reach Redis at {where}: {_no_primary(url)}") from exc
     except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
         raise FatalError(f"cannot reach Redis at {where}: {_message(exc)}") from exc
     except redis_errors.RedisError as exc:
         raise FatalError(f"Redis at {where} refused PING: {_message(exc)}") from exc
     finally:
         client.close()
+
+
+def _no_primary(url: str) -> str:
+    """One line for a Sentinel set that named no primary (redis-py's message repeats every client's settings)."""
+    from protocol.sentinel_url import parse_sentinel_url
+
+    address = parse_sentinel_url(url)
+    asked = ", ".join(f"{host}:{port}" for host, port in address.sentinels)
+    return f"no sentinel names a primary for {address.service!r} that is up (asked {asked}: down, unreachable, or not monitoring it)"
 
 
 def _check_subscribe(client, channels: tuple[str, ...], timeout: float) -> None:

@@ -5,26 +5,77 @@ redis-py's default pool raises "Too many connections" once 100 commands are in f
 gateway with a few hundred open requests reaches; waiting a moment for a connection is right.
 After a Redis restart every pooled connection is dead: without a retry, each one would fail the
 one request that next picks it up.
+
+A `redis+sentinel://` URL (protocol/sentinel_url.py) gives the same pool, but each new
+connection asks the sentinels where the primary is now. A failover is then a restart at a new
+address, and what survives a restart survives it: the broken connections fail or are retried
+as after a restart, the pub/sub subscriptions of the gateway and the worker reconnect (to the
+new primary) and fail what they may have missed, the worker recreates a consumer group the
+promoted replica lacks.
 """
 
 from __future__ import annotations
 
+import redis
 import redis.asyncio as aioredis
+import redis.asyncio.sentinel
+import redis.sentinel
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
+
+from .sentinel_url import SentinelAddress, is_sentinel_url, parse_sentinel_url
 
 MAX_CONNECTIONS = 100
 CONNECTION_WAIT_S = 10.0
 RETRIES = 3  # per command: backoff 0.05, 0.1, 0.2 s, enough to get past a dead pooled connection
+# A sentinel, or a primary that a failover left behind, may be a host that is gone: a connection
+# attempt gives up after this long and the next sentinel (or the new primary) is asked instead.
+SENTINEL_SOCKET_TIMEOUT_S = 2.0
+PRIMARY_CONNECT_TIMEOUT_S = 5.0
 
 
 def connect(url: str) -> aioredis.Redis:
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
+    """The client for `url`: `redis://`, `rediss://`, `unix://`, or `redis+sentinel://`."""
+    options = dict(
         max_connections=MAX_CONNECTIONS,
         timeout=CONNECTION_WAIT_S,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), RETRIES),
         retry_on_error=[ConnectionError, TimeoutError],
     )
+    if is_sentinel_url(url):
+        address = parse_sentinel_url(url)
+        pool = BlockingSentinelConnectionPool(address.service, _sentinels(redis.asyncio.sentinel.Sentinel, address), **_primary_login(address), **options)
+        return aioredis.Redis.from_pool(pool)  # closing the client closes the pool and its sentinel clients
+    pool = aioredis.BlockingConnectionPool.from_url(url, **options)
     return aioredis.Redis(connection_pool=pool)
+
+
+def connect_sync(url: str, **connection_options) -> redis.Redis:
+    """A blocking client for one-off checks (lmq's start-up PING), any of `connect`'s URLs."""
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url, **connection_options)
+    address = parse_sentinel_url(url)
+    return _sentinels(redis.sentinel.Sentinel, address).master_for(address.service, **{**_primary_login(address), **connection_options})
+
+
+class BlockingSentinelConnectionPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """A pool of connections to the primary the sentinels name, that waits for a free one as
+    `BlockingConnectionPool` does; it owns its sentinel clients and closes them with itself."""
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            await self.sentinel_manager.aclose()
+
+
+def _sentinels(kind: type, address: SentinelAddress):
+    login = {"username": address.sentinel_username, "password": address.sentinel_password}
+    timeouts = {"socket_timeout": SENTINEL_SOCKET_TIMEOUT_S, "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT_S}
+    return kind(list(address.sentinels), min_other_sentinels=address.min_other_sentinels, sentinel_kwargs={**login, **timeouts})
+
+
+def _primary_login(address: SentinelAddress) -> dict:
+    return {"db": address.db, "username": address.username, "password": address.password, "socket_connect_timeout": PRIMARY_CONNECT_TIMEOUT_S}

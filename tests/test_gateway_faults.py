@@ -12,6 +12,7 @@ import pytest
 from gateway_support import MODEL, announce, finish, publish, running_gateway, take_request, words_script, worker_running
 
 import protocol
+from protocol.redis_client import connect
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -87,6 +88,34 @@ async def test_a_broken_reply_subscription_fails_the_open_requests_visibly(gatew
     assert status == 200 and "Hello" in body and "answer may be lost" in body and "[DONE]" not in body
     async with worker_running(redis_client, words_script(["fine"])):  # and the next request is served normally
         assert (await _post(gateway_url, CHAT))[0] == 200
+
+
+async def test_not_ready_until_the_reply_subscription_is_back(fresh_redis_server):
+    """After Redis comes back (a restart, a Sentinel failover) the reply subscription reconnects a
+    moment later; a request taken meanwhile would end in "answer may be lost". /ready stays 503
+    until it is back, so whoever waits for /ready gets answers."""
+    server = fresh_redis_server(appendonly=True)
+    redis = connect(server.url)
+
+    async def ready(url: str) -> bool:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/ready") as response:
+                return response.status == 200
+
+    try:
+        async with running_gateway(server.url, pickup_timeout=5.0) as url:
+            await announce(redis)
+            assert await ready(url)
+            server.kill()
+            await asyncio.sleep(1.0)  # the subscription broke; its reconnections fail
+            server.start()
+            while not await ready(url):
+                await asyncio.sleep(0.02)
+            async with worker_running(redis, words_script(["back"])):
+                status, body = await _post(url, CHAT)
+            assert status == 200 and "back" in body, body
+    finally:
+        await redis.aclose()
 
 
 async def test_a_worker_that_holds_the_request_is_not_mistaken_for_none(gateway_url, redis_client):
