@@ -26,6 +26,13 @@ def check_gateway(config: GatewayConfig) -> None:
     at_least(config, "max_queue", 0)
     at_least(config, "retry_after", 0)
     at_least(config, "default_max_tokens", 1)
+    at_least(config, "rate_limit_requests", 0)
+    at_least(config, "rate_limit_tokens", 0)
+    at_least(config, "batch_max_items", 1)
+    at_least(config, "batch_max_bytes", 1)
+    at_least(config, "batch_in_flight", 1)
+    if not config.batch_window_seconds > 0:
+        raise ValueError(f"{setting_name(GatewayConfig, 'batch_window_seconds')} must be more than 0, not {config.batch_window_seconds!r}")
     try:
         config.sampling_default_fields
     except ValueError as exc:
