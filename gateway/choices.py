@@ -1,4 +1,4 @@
-"""The `n` choices of one OpenAI request: n generations of the same prompt, read as one answer.
+"""The choices of one OpenAI request: `n` generations of each of its prompts, read as one answer.
 
 Each choice is a protocol request of its own (`<id>-<index>`, seed + index when seeded), enqueued
 together: a worker that reads them together prefills the shared prompt once and the others find
@@ -23,22 +23,24 @@ from .generation import Delta, Done, Generation, Usage
 SEED_RANGE = 1 << 64
 
 
-def choice_requests(request: protocol.Request, n: int) -> list[protocol.Request]:
-    if n == 1:
-        return [request]
-    seed = request.sampling.seed
+def choice_requests(prompts: list[protocol.Request], n: int) -> list[protocol.Request]:
+    """`n` choices of each prompt's request (all with the request's id), indexed as OpenAI does: prompt × n + choice."""
+    if len(prompts) == 1 and n == 1:
+        return prompts
 
-    def choice(index: int) -> protocol.Request:
+    def choice(request: protocol.Request, index: int) -> protocol.Request:
+        seed = request.sampling.seed
         sampling = request.sampling if seed is None else dataclasses.replace(request.sampling, seed=(seed + index) % SEED_RANGE)
         return dataclasses.replace(request, id=f"{request.id}-{index}", sampling=sampling)
 
-    return [choice(index) for index in range(n)]
+    return [choice(request, p * n + c) for p, request in enumerate(prompts) for c in range(n)]
 
 
-def total_usage(dones: list[Done]) -> Usage:
-    """As OpenAI counts n choices: the prompt once, every choice's completion tokens."""
-    first = dones[0].usage
-    return Usage(first.prompt_tokens, sum(done.usage.completion_tokens for done in dones), first.cached_tokens)
+def total_usage(dones: list[Done], n: int) -> Usage:
+    """As OpenAI counts: each prompt once (the first of its `n` choices, in index order), every choice's completion tokens."""
+    firsts = [done.usage for done in dones[::n]]
+    completion = sum(done.usage.completion_tokens for done in dones)
+    return Usage(sum(u.prompt_tokens for u in firsts), completion, sum(u.cached_tokens for u in firsts))
 
 
 class Choices:

@@ -21,7 +21,7 @@ from .choices import Choices, choice_requests, total_usage
 from .config import GatewayConfig
 from .context import gateway_of
 from .errors import openai_error_body
-from .generation import Delta, new_request, new_request_id
+from .generation import Delta, Done, new_request, new_request_id
 from .openai_shapes import ChatShape, CompletionShape, finish_reason
 from .tool_calls import ToolCallReader, ToolPlan
 from .validate import (
@@ -40,6 +40,8 @@ from .validate import (
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
+MAX_PROMPTS = 64  # a legacy completion's list of prompts
+MAX_CHOICES = 64  # prompts × n: each is a request in the queue
 
 SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias")
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos")  # vLLM's names, beyond OpenAI's
@@ -160,16 +162,30 @@ def _list(value: Any, where: str) -> list[Any]:
     return value
 
 
-def parse_prompt(body: dict[str, Any]) -> dict[str, Any]:
-    """The legacy `prompt`: a string or token ids, alone or as a list of one; as Request keyword arguments."""
+def parse_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The legacy `prompt`: a string, token ids, or a list of either (one answer each); as Request keyword arguments."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and not all(isinstance(item, int) for item in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise invalid("prompt", f"at most {MAX_PROMPTS} prompts in one request")
+        return [_one_prompt(item, f"prompt[{index}]") for index, item in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
+
+
+def parse_prompt(body: dict[str, Any]) -> dict[str, Any]:
+    """A legacy `prompt` that must be one prompt (a batch item's)."""
+    prompts = parse_prompts(body)
+    if len(prompts) > 1:
+        raise invalid("prompt", "must be one prompt here (a string or a list of token ids)")
+    return prompts[0]
+
+
+def _one_prompt(prompt: Any, where: str) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in prompt):
         return {"prompt_ids": prompt}
-    raise invalid("prompt", "must be a string or a list of token ids (one prompt per request)")
+    raise invalid(where, "must be a string or a list of token ids, or a list of those")
 
 
 def refuse_unsupported_completion_options(body: dict[str, Any]) -> None:
@@ -202,7 +218,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages=parse_messages(body), tools=plan.tools, constraint=constraint, logprobs=top_logprobs,
     )  # fmt: skip
     shape = ChatShape(work.id, model, streaming.include_usage, top_logprobs)
-    async with Choices(gateway, choice_requests(work, n), shape.api) as choices:
+    async with Choices(gateway, choice_requests([work], n), shape.api) as choices:
         if not streaming.enabled:
             return web.json_response(await complete_chat(choices, shape, plan))
         await choices.admitted(gateway.config.admission_wait)
@@ -221,17 +237,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     refuse_unsupported_completion_options(body)
     n, sampling, streaming = parse_n(body), parse_sampling(body, gateway.config), parse_streaming(body)
     top_logprobs = parse_completion_logprobs(body)
-    work = new_request(gateway, new_request_id("cmpl-"), model, sampling, logprobs=top_logprobs, **parse_prompt(body))
-    shape = CompletionShape(work.id, model, streaming.include_usage, top_logprobs)
-    async with Choices(gateway, choice_requests(work, n), shape.api) as choices:
+    request_id, prompts = new_request_id("cmpl-"), parse_prompts(body)
+    if len(prompts) * n > MAX_CHOICES:
+        raise invalid("n", f"prompts × n is at most {MAX_CHOICES} (here {len(prompts)} × {n})")
+    works = [new_request(gateway, request_id, model, sampling, logprobs=top_logprobs, **prompt) for prompt in prompts]
+    shape = CompletionShape(request_id, model, streaming.include_usage, top_logprobs)
+    async with Choices(gateway, choice_requests(works, n), shape.api) as choices:
         if not streaming.enabled:
             results = await choices.results()
-            body = shape.complete([(text, logprobs, done.finish_reason) for text, logprobs, done in results], total_usage([r[2] for r in results]))
+            body = shape.complete([(text, logprobs, done.finish_reason) for text, logprobs, done in results], total_usage([r[2] for r in results], n))
             return web.json_response(body)
         await choices.admitted(gateway.config.admission_wait)
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
-            request, lambda response: relay_completion(response, choices, shape, keepalive), openai_error_body, gateway.metrics.errors
+            request, lambda response: relay_completion(response, choices, shape, n, keepalive), openai_error_body, gateway.metrics.errors
         )
 
 
@@ -242,7 +261,7 @@ async def complete_chat(choices: Choices, shape: ChatShape, plan: ToolPlan) -> d
         reader = ToolCallReader(plan)
         content = reader.feed(text).text + reader.finish().text
         bodies.append((content, logprobs, reader.calls, finish_reason(done, reader.calls)))
-    return shape.complete(bodies, total_usage([done for _, _, done in results]))
+    return shape.complete(bodies, total_usage([done for _, _, done in results], len(results)))
 
 
 async def relay_chat(response: web.StreamResponse, choices: Choices, shape: ChatShape, plan: ToolPlan, keepalive: float) -> None:
@@ -265,13 +284,13 @@ async def relay_chat(response: web.StreamResponse, choices: Choices, shape: Chat
         await sse.send(response, shape.finish_chunk(index, finish_reason(event, reader.calls)))
         dones.append(event)
     if shape.include_usage:
-        await sse.send(response, shape.usage_chunk(total_usage(dones)))
+        await sse.send(response, shape.usage_chunk(total_usage(dones, len(dones))))
     await sse.send(response, "[DONE]")
 
 
-async def relay_completion(response: web.StreamResponse, choices: Choices, shape: CompletionShape, keepalive: float) -> None:
+async def relay_completion(response: web.StreamResponse, choices: Choices, shape: CompletionShape, n: int, keepalive: float) -> None:
     offsets = [0] * len(choices.generations)
-    dones = []
+    dones: dict[int, Done] = {}
     async for item in choices.events(keepalive):
         if item is None:
             await sse.send_comment(response, "waiting")
@@ -283,7 +302,7 @@ async def relay_completion(response: web.StreamResponse, choices: Choices, shape
                 offsets[index] += len(event.text)
             continue
         await sse.send(response, shape.finish_chunk(index, event.finish_reason))
-        dones.append(event)
+        dones[index] = event
     if shape.include_usage:
-        await sse.send(response, shape.usage_chunk(total_usage(dones)))
+        await sse.send(response, shape.usage_chunk(total_usage([dones[index] for index in sorted(dones)], n)))
     await sse.send(response, "[DONE]")

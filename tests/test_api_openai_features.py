@@ -206,6 +206,34 @@ async def test_legacy_completions_n(api_url):
     assert [choice.index for choice in answer.choices] == [0, 1] and answer.usage.completion_tokens == 8
 
 
+async def test_legacy_completions_with_a_list_of_prompts(api_url):
+    """Each prompt gets its own n choices, indexed prompt × n + choice; usage counts every prompt once."""
+    sdk = client(api_url)
+    prompts = ["The fox", "A cat sat on the"]
+    ask = dict(model=REAL_MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [await sdk.completions.create(prompt=prompt, **ask) for prompt in prompts]
+    answer = await sdk.completions.create(prompt=prompts, n=2, **ask)
+    assert [choice.index for choice in answer.choices] == [0, 1, 2, 3]
+    assert [choice.text for choice in answer.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert answer.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and answer.usage.completion_tokens == 16
+    stream = await sdk.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **ask)
+    texts, usage = ["", ""], None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == [a.choices[0].text for a in alone]
+    assert usage.prompt_tokens == answer.usage.prompt_tokens and usage.completion_tokens == 8
+    async with aiohttp.ClientSession() as http:
+        token_ids = [
+            (await (await http.post(api_url + "/tokenize", json={"model": REAL_MODEL, "prompt": prompt})).json())["tokens"] for prompt in prompts
+        ]
+    by_ids = await sdk.completions.create(prompt=token_ids, **ask)
+    assert [choice.text for choice in by_ids.choices] == [a.choices[0].text for a in alone]
+    with pytest.raises(openai.BadRequestError, match=r"prompt\[1\]"):
+        await sdk.completions.create(prompt=["fine", {"not": "a prompt"}], **ask)  # type: ignore[list-item]
+
+
 # ---------------------------------------------------------------- errors before any reply, tokenize
 
 

@@ -84,7 +84,7 @@ async def _chat_body(body: dict[str, Any], model: str, request_id: str, text: st
 
 async def _completion_body(body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done) -> dict[str, Any]:
     shape = CompletionShape(request_id, model, False, openai.parse_completion_logprobs(body))
-    return shape.complete([(text, logprobs, done.finish_reason)], total_usage([done]))
+    return shape.complete([(text, logprobs, done.finish_reason)], total_usage([done], 1))
 
 
 async def _message_body(body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done) -> dict[str, Any]:
