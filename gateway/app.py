@@ -43,7 +43,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        failure = ApiError(exc.status, exc.text or exc.reason)
+        failure = ApiError(exc.status, _http_message(request, exc))
     except (RedisConnectionError, RedisTimeoutError) as exc:
         log.warning("redis unavailable: %s", exc)
         failure = ApiError(503, "the request queue is unavailable; retry later", code="unavailable")
@@ -118,3 +118,12 @@ async def run_gateway(config: GatewayConfig, *, listening: asyncio.Event | None 
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+
+
+def _http_message(request: web.Request, exc: web.HTTPException) -> str:
+    """aiohttp's routing errors say only "404: Not Found"; name what was asked for."""
+    if isinstance(exc, web.HTTPNotFound) and (exc.text or "").startswith("404:"):
+        return f"no such endpoint: {request.method} {request.path} (docs/api.md lists them)"
+    if isinstance(exc, web.HTTPMethodNotAllowed) and (exc.text or "").startswith("405:"):
+        return f"{request.path} does not take {request.method}; it takes {', '.join(sorted(exc.allowed_methods))}"
+    return exc.text or exc.reason

@@ -157,9 +157,13 @@ async def test_anthropic_bad_parameters_are_400(gateway_url, http, fields):
 
 async def test_unknown_route_and_wrong_method_answer_in_shape(gateway_url, http):
     async with http.get(gateway_url + "/v1/nothing") as response:
-        assert_openai_error(response.status, await response.json(), 404)
+        body = await response.json()
+        assert_openai_error(response.status, body, 404)
+        assert body["error"]["message"].startswith("no such endpoint: GET /v1/nothing")
     async with http.get(gateway_url + MESSAGES) as response:
-        assert_anthropic_error(response.status, await response.json(), 405, "invalid_request_error")
+        body = await response.json()
+        assert_anthropic_error(response.status, body, 405, "invalid_request_error")
+        assert body["error"]["message"] == f"{MESSAGES} does not take GET; it takes POST"
 
 
 async def test_keys_are_required_when_configured(redis_url, redis_client, http, tmp_path):
