@@ -32,6 +32,7 @@ from worker.model.loader import LoadedModel
 from worker.prompt import PromptTooLong
 from worker.sampler import MAX_LOGPROBS, Sampled, SamplingState, TokenLogprob, sample
 from worker.scheduler import Scheduled, Scheduler, Sequence, StepPlan
+from worker.step_threads import StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ class Engine:
             forward = compute_thread.run(graphed, model.model, self.kv.kv, max_batch=max_seqs, num_kv_heads=model.config.num_kv_heads)
             self.model = dataclasses.replace(model, model=forward)
         self.scheduler = Scheduler(self.kv, max_seqs=max_seqs, step_tokens=step_tokens, max_context=self.max_context)
+        self.step_threads = StepThreads(compute_thread.run(torch.get_num_threads), model.parameter_count) if model.device.type == "cpu" else None
         self._on_step = on_step
         self._on_step_seconds = on_step_seconds  # each step's duration (the metrics' histogram)
         self._wake = asyncio.Event()
@@ -340,6 +342,8 @@ class Engine:
         """In the executor thread: the model forward over the step, then sampling."""
         # A CUDA-graphed model takes the step from the host and sends it in one pinned copy.
         device = getattr(self.model.model, "input_device", self.model.device)
+        if self.step_threads:
+            self.step_threads.choose(sum(item.num_tokens for item in scheduled))
         batch = build_step_batch(scheduled, self.scheduler.page_table, self.kv.page_size, device)
         with torch.inference_mode():
             logits = self.model.model(batch, self.kv.kv)
