@@ -24,14 +24,11 @@ import aiohttp
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import processes
 from bench.client import ChatClient
 from bench.prompts import question
 from bench.serve import run_level
 from bench.stats import summarize
-from lmq.redis_server import EmbeddedRedis, free_tcp_port
-
-STUB_MAX_SEQS = 256
+from bench.stub_services import StubServices
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,50 +47,7 @@ def messages(index: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": question(index)}]
 
 
-class Services:
-    """Embedded Redis + one gateway process + one stub worker process."""
-
-    def __init__(self, kv_memory: str, logs: Path):
-        self.redis = EmbeddedRedis()
-        self.kv_memory = kv_memory
-        self.logs = logs
-        self.port = free_tcp_port()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self) -> "Services":
-        self.redis.start()
-        redis_url = self.redis.url
-        self.gateway = processes.start(
-            processes.python_command("-m", "lmq", "gateway", "--port", str(self.port), "--redis-url", redis_url, "--max-queue", "4096"),
-            self.logs / "overhead-gateway.log",
-        )
-        self.worker = processes.start(
-            processes.python_command("bench/stub_worker.py", "--redis-url", redis_url, "--max-seqs", str(STUB_MAX_SEQS),
-                                     "--kv-memory", self.kv_memory, "--threads", "1"),
-            self.logs / "overhead-worker.log",
-        )  # fmt: skip
-        processes.wait_http_ok(f"http://127.0.0.1:{self.port}/ready", [self.gateway, self.worker], timeout_s=300)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for process in (getattr(self, "gateway", None), getattr(self, "worker", None)):
-            if process:
-                processes.stop(process)
-        self.redis.stop()
-
-    def cpu(self) -> dict[str, float]:
-        return {
-            "gateway": processes.cpu_seconds(self.gateway.pid),
-            "worker": processes.cpu_seconds(self.worker.pid),
-            "redis": processes.cpu_seconds(self.redis.process.pid),
-            "client": time.process_time(),
-        }
-
-
-async def streaming_levels(services: Services, args: argparse.Namespace) -> list[dict]:
+async def streaming_levels(services: StubServices, args: argparse.Namespace) -> list[dict]:
     levels = []
     first_prompt = args.ttft_requests
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
@@ -114,7 +68,7 @@ async def streaming_levels(services: Services, args: argparse.Namespace) -> list
     return levels
 
 
-async def service_first_tokens(services: Services, count: int) -> list[float]:
+async def service_first_tokens(services: StubServices, count: int) -> list[float]:
     """TTFT of `count` requests sent one at a time through HTTP, gateway, Redis and worker."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
         client = ChatClient(session, services.url)
@@ -171,7 +125,7 @@ def _median_ms(values: list[float]) -> float | None:
 
 async def run(args: argparse.Namespace) -> dict:
     engine_ttft = await engine_first_tokens(args.ttft_requests)
-    with Services(args.kv_memory, args.logs) as services:
+    with StubServices(args.kv_memory, args.logs) as services:
         service_ttft = await service_first_tokens(services, args.ttft_requests)
         levels = await streaming_levels(services, args)
     engine_ms, service_ms = _median_ms(engine_ttft), _median_ms(service_ttft)

@@ -30,7 +30,7 @@ from bench.prompts import cache_safe, fit_system_words, fit_user_prompts, system
 from bench.stats import RequestResult, format_table, summarize
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     values = [int(part) for part in text.split(",") if part.strip()]
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("a comma-separated list of positive integers")
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="base URL of the OpenAI-compatible API")
     parser.add_argument("--model", default="", help="model name; empty = the first of GET /models")
     parser.add_argument("--api-key", default="", help="bearer token, if the target wants one")
-    parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="levels, e.g. 1,4,16,64")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64], help="levels, e.g. 1,4,16,64")
     parser.add_argument("--requests", type=int, default=32, help="requests per level (at least the level's concurrency)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests before the first level")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -1,0 +1,245 @@
+"""Where one Redis saturates: N gateways and M stub workers on one Redis, streaming at rising concurrency.
+
+    python bench/redis_saturation.py --gateways 2 --workers 2 --streams 16,64,256 --max-tokens 128 \\
+        --json bench/results/redis_saturation.json
+
+Starts an embedded Redis, N `lmq gateway` processes and M workers whose model answers at once
+(bench/stub_services.py), so that no model cost hides the queue's. Each level runs
+streams × --requests-per-stream streaming chat completions from that many closed-loop streams,
+spread over the gateways in turn. Per level it reports streamed tokens/s, requests/s and errors; the
+CPU seconds of Redis, the gateways, the workers and this client, and each one's utilisation (CPU
+seconds ÷ wall seconds, per process: a single-threaded Redis or asyncio process saturates near
+1.0); the CPU each costs per 10k streamed tokens; how many cores of the machine were busy in all
+(other work included); and Redis's own INFO commandstats, which say what its time went on.
+
+Redis becomes the limit where its utilisation nears one core, or where tokens/s stops growing while
+the gateways and workers still have headroom. On a machine whose few cores everything shares, the
+client and gateways usually fill the cores first; then the figure that carries over to a bigger
+machine is Redis's CPU per 10k tokens: one Redis core carries about 10k ÷ that many tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import itertools
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import aiohttp
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.client import ChatClient
+from bench.prompts import question
+from bench.serve import int_list, run_level
+from bench.stats import RequestResult, summarize
+from bench.stub_services import StubServices
+
+COMPONENTS = ("redis", "gateway", "worker", "client")
+TOKENS_UNIT = 10_000
+SATURATED = 0.9  # a process at this share of one core, or a machine at this share of its cores, is full
+TOP_COMMANDS = 6
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gateways", type=int, default=2, help="N: `lmq gateway` processes")
+    parser.add_argument("--workers", type=int, default=2, help="M: stub worker processes")
+    parser.add_argument("--streams", type=int_list, default=[16, 64, 256], help="concurrent streams per level, e.g. 16,64,256")
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens streamed per request")
+    parser.add_argument("--kv-memory", default="2GiB", help="each stub worker's KV budget (pages are allocated as usual)")
+    parser.add_argument("--level-timeout", type=float, default=300.0, help="seconds a level may take; the rest count as errors")
+    parser.add_argument("--logs", type=Path, default=Path("bench/results/logs"))
+    parser.add_argument("--json", type=Path)
+    return parser
+
+
+class RoundRobin:
+    """Hands each request to the next gateway in turn; run_level sees one client."""
+
+    def __init__(self, clients: list[ChatClient]):
+        self.clients = clients
+        self._next = itertools.cycle(clients)
+
+    async def stream_chat(self, body: dict, timeout_s: float) -> RequestResult:
+        return await next(self._next).stream_chat(body, timeout_s)
+
+
+class RedisCommandStats:
+    """INFO commandstats of the benchmark's own Redis, reset at the start of each level."""
+
+    def __init__(self, url: str):
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+
+    def reset(self) -> None:
+        self.client.config_resetstat()
+
+    def read(self) -> dict[str, dict[str, int]]:
+        """{command: {"calls", "usec"}}; commands that a script calls are counted too (and inside its time)."""
+        stats = self.client.info("commandstats")
+        return {
+            name.removeprefix("cmdstat_"): {"calls": int(values["calls"]), "usec": int(values["usec"])}
+            for name, values in stats.items()
+        }
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, every process), from /proc/stat."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def level_figures(summary: dict, cpu_s: dict[str, float], commands: dict[str, dict[str, int]],
+                  gateways: int, workers: int, cores_busy: float) -> dict:  # fmt: skip
+    """A level's summary (bench/stats.py) with the CPU figures derived from the measured seconds."""
+    wall = max(summary["wall_s"], 1e-9)
+    tokens = summary["output_tokens"]
+    per_tokens = TOKENS_UNIT / tokens if tokens else None
+    processes = {"redis": 1, "gateway": gateways, "worker": workers, "client": 1}
+    level = dict(summary)
+    level["cpu_s"] = cpu_s
+    level["utilisation"] = {name: cpu_s[name] / wall / processes[name] for name in COMPONENTS}
+    level["cpu_s_per_10k_tokens"] = {name: (cpu_s[name] * per_tokens if per_tokens else None) for name in COMPONENTS}
+    level["machine_cores_busy"] = cores_busy
+    level["redis_core_tok_s"] = tokens / cpu_s["redis"] if tokens and cpu_s["redis"] > 0 else None
+    ranked = sorted(commands.items(), key=lambda item: item[1]["usec"], reverse=True)
+    level["redis_commands"] = [
+        {
+            "command": name,
+            "calls": values["calls"],
+            "usec": values["usec"],
+            "calls_per_10k_tokens": values["calls"] * per_tokens if per_tokens else None,
+            "usec_per_10k_tokens": values["usec"] * per_tokens if per_tokens else None,
+        }
+        for name, values in ranked
+    ]
+    level["limit"] = limit(level["utilisation"], cores_busy, os.cpu_count() or 1)
+    return level
+
+
+def limit(utilisation: dict[str, float], cores_busy: float, cores: int) -> str:
+    """What held this level back: all the machine's cores, else the busiest kind of process if it is full."""
+    if cores_busy >= SATURATED * cores:
+        return f"machine ({cores_busy:.2f} of {cores} cores busy)"
+    name, busiest = max(utilisation.items(), key=lambda item: item[1])
+    if busiest >= SATURATED:
+        return f"{name} ({busiest:.2f} of a core per process)"
+    return "none measured (latency-bound)"
+
+
+async def measured_levels(services: StubServices, args: argparse.Namespace) -> list[dict]:
+    stats = RedisCommandStats(services.redis.url)
+    levels = []
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
+            clients = [ChatClient(session, url) for url in services.urls]
+            model = await clients[0].first_model()
+            for client in clients:
+                client.model = model
+            spread = RoundRobin(clients)
+            prompt = itertools.count()
+
+            def body(max_tokens: int) -> dict:  # every request a question not sent before
+                return clients[0].chat_body([{"role": "user", "content": question(next(prompt))}], max_tokens, True)
+
+            await run_level(spread, [body(4) for _ in range(2 * len(clients))], len(clients), args.level_timeout)  # warm-up
+            for streams in args.streams:
+                bodies = [body(args.max_tokens) for _ in range(streams * args.requests_per_stream)]
+                stats.reset()
+                cpu_before, busy_before = services.cpu(), machine_busy_seconds()
+                results, wall = await run_level(spread, bodies, streams, args.level_timeout)
+                cpu_after, busy = services.cpu(), (machine_busy_seconds() - busy_before) / max(wall, 1e-9)
+                cpu_s = {name: cpu_after[name] - cpu_before[name] for name in COMPONENTS}
+                level = level_figures(summarize(streams, results, wall), cpu_s, stats.read(), args.gateways, args.workers, busy)
+                levels.append(level)
+                print(level_row(level), file=sys.stderr, flush=True)
+    finally:
+        stats.close()
+    return levels
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+HEADER = "\n".join([
+    f"{'':>26} | {'CPU seconds':^28} | {'utilisation: cores per process':^36} | {'Redis per 10k tokens':^24}",
+    f"{'streams':>7} {'tok/s':>7} {'req/s':>6} {'err':>3} | {'redis':>6} {'gateway':>7} {'worker':>6} {'client':>6} | "
+    f"{'redis':>6} {'gateway':>7} {'worker':>6} {'client':>6} {'machine':>7} | {'CPU ms':>7} {'1 core tok/s':>16}",
+])  # fmt: skip
+
+
+def level_row(level: dict) -> str:
+    cpu, util = level["cpu_s"], level["utilisation"]
+    redis_s = level["cpu_s_per_10k_tokens"]["redis"]
+    return (
+        f"{level['concurrency']:>7} {level['output_tok_s']:>7.0f} {level['req_s']:>6.1f} {level['errors']:>3} | "
+        f"{cpu['redis']:>6.2f} {cpu['gateway']:>7.1f} {cpu['worker']:>6.1f} {cpu['client']:>6.1f} | "
+        f"{util['redis']:>6.2f} {util['gateway']:>7.2f} {util['worker']:>6.2f} {util['client']:>6.2f} "
+        f"{level['machine_cores_busy']:>7.2f} | {_num(None if redis_s is None else redis_s * 1000):>7} "
+        f"{_num(level['redis_core_tok_s']):>16}"
+    )
+
+
+def commands_line(level: dict) -> str:
+    top = level["redis_commands"][:TOP_COMMANDS]
+    parts = [f"{c['command']} {_num(c['usec_per_10k_tokens'] / 1000 if c['usec_per_10k_tokens'] is not None else None, 1)} ms"
+             f" ({_num(c['calls_per_10k_tokens'])} calls)" for c in top]  # fmt: skip
+    return f"{level['concurrency']:>7} streams, Redis command time per 10k tokens: " + ", ".join(parts)
+
+
+def text_report(report: dict) -> str:
+    levels = report["levels"]
+    lines = [HEADER, *(level_row(level) for level in levels), ""]
+    lines += [commands_line(level) for level in levels]
+    lines += ["(a script's time, EVALSHA's, includes that of the commands it calls, which are listed as well)"]
+    lines += ["", *(f"{level['concurrency']:>7} streams, limit: {level['limit']}" for level in levels)]
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace) -> dict:
+    with StubServices(args.kv_memory, args.logs, args.gateways, args.workers, log_prefix="saturation") as services:
+        redis_server = f"{services.redis.name} {services.redis.version}"
+        levels = await measured_levels(services, args)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cores": os.cpu_count()},
+        "redis_server": redis_server,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "levels": levels,
+    }
+
+
+def save(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if min(args.gateways, args.workers, args.requests_per_stream, args.max_tokens) < 1:
+        parser.error("--gateways, --workers, --requests-per-stream and --max-tokens must be at least 1")
+    print(HEADER, file=sys.stderr, flush=True)
+    report = asyncio.run(run(args)) | {"command": " ".join(["python", "bench/redis_saturation.py", *argv])}
+    print(text_report(report))
+    if args.json:
+        save(report, args.json)
+    return 0 if any(level["completed"] for level in report["levels"]) else 1
+
+if __name__ == "__main__":
+    sys.exit(main())

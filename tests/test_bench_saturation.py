@@ -1,0 +1,88 @@
+"""bench/redis_saturation.py: the figures it derives from measured seconds, and its smallest real run.
+
+The real run starts an embedded Redis, one `lmq gateway` process and one stub worker (the default
+model's tokenizer with a transformer that answers at once), streams 4 requests of 4 tokens, and reads
+the report it writes. No figure is asserted beyond what the run must produce.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import redis_saturation
+from bench.stats import RequestResult, summarize
+
+
+def test_level_figures_per_10k_tokens_utilisation_and_command_ranking():
+    results = [RequestResult(start=0.0, first_token=0.1, end=2.0, output_tokens=2500) for _ in range(4)]
+    summary = summarize(4, results, wall_s=2.0)  # 10,000 tokens in 2 s
+    cpu_s = {"redis": 0.5, "gateway": 2.0, "worker": 3.0, "client": 1.0}
+    commands = {"publish": {"calls": 300, "usec": 20_000}, "evalsha": {"calls": 100, "usec": 90_000}, "xadd": {"calls": 4, "usec": 100}}
+    level = redis_saturation.level_figures(summary, cpu_s, commands, gateways=2, workers=3, cores_busy=1.0)
+
+    assert level["output_tok_s"] == pytest.approx(5000.0)
+    assert level["utilisation"] == pytest.approx({"redis": 0.25, "gateway": 0.5, "worker": 0.5, "client": 0.5})
+    assert level["cpu_s_per_10k_tokens"] == pytest.approx(cpu_s)  # exactly 10k tokens
+    assert level["redis_core_tok_s"] == pytest.approx(20_000.0)
+    assert [c["command"] for c in level["redis_commands"]] == ["evalsha", "publish", "xadd"]
+    assert level["redis_commands"][0]["usec_per_10k_tokens"] == pytest.approx(90_000)
+    assert level["limit"] == "none measured (latency-bound)"
+
+
+def test_a_level_without_tokens_has_no_per_token_figures():
+    summary = summarize(2, [RequestResult(start=0.0, end=1.0, error="HTTP 503: busy")], wall_s=1.0)
+    cpu_s = {"redis": 0.0, "gateway": 0.1, "worker": 0.1, "client": 0.1}
+    level = redis_saturation.level_figures(summary, cpu_s, {"ping": {"calls": 1, "usec": 1}}, 1, 1, cores_busy=0.3)
+    assert level["redis_core_tok_s"] is None
+    assert set(level["cpu_s_per_10k_tokens"].values()) == {None}
+    assert level["redis_commands"][0]["calls_per_10k_tokens"] is None
+
+
+def test_limit_names_the_full_machine_first_then_the_busiest_process():
+    idle = {"redis": 0.2, "gateway": 0.3, "worker": 0.1, "client": 0.4}
+    assert redis_saturation.limit(idle, cores_busy=7.5, cores=8).startswith("machine")
+    assert redis_saturation.limit(idle | {"redis": 0.97}, cores_busy=3.0, cores=8).startswith("redis")
+    assert redis_saturation.limit(idle | {"client": 0.95, "redis": 0.93}, cores_busy=3.0, cores=8).startswith("client")
+    assert redis_saturation.limit(idle, cores_busy=3.0, cores=8).startswith("none")
+
+
+async def test_round_robin_spreads_requests_over_the_gateways():
+    class Gateway:
+        def __init__(self):
+            self.bodies: list[dict] = []
+
+        async def stream_chat(self, body: dict, timeout_s: float) -> RequestResult:
+            self.bodies.append(body)
+            return RequestResult(start=0.0)
+
+    gateways = [Gateway(), Gateway(), Gateway()]
+    spread = redis_saturation.RoundRobin(gateways)
+    for i in range(7):
+        await spread.stream_chat({"n": i}, 1.0)
+    assert [[b["n"] for b in g.bodies] for g in gateways] == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+def test_bad_arguments_are_rejected():
+    for bad in (["--gateways", "0"], ["--workers", "0"], ["--streams", "0,4"], ["--max-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            redis_saturation.main(bad)
+
+
+@pytest.mark.slow
+def test_the_smallest_real_run_reports_every_figure(tmp_path):
+    out = tmp_path / "saturation.json"
+    args = ["--gateways", "1", "--workers", "1", "--streams", "2", "--requests-per-stream", "2", "--max-tokens", "4",
+            "--kv-memory", "64MiB", "--level-timeout", "120", "--logs", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+    assert redis_saturation.main(args) == 0
+    report = json.loads(out.read_text())
+    [level] = report["levels"]
+    assert (level["completed"], level["errors"], level["output_tokens"]) == (4, 0, 16)
+    assert set(level["cpu_s"]) == set(level["utilisation"]) == {"redis", "gateway", "worker", "client"}
+    assert level["cpu_s"]["worker"] > 0 and level["machine_cores_busy"] > 0
+    commands = {c["command"]: c for c in level["redis_commands"]}
+    assert commands["evalsha"]["calls"] > 0, "the workers' step script runs as EVALSHA"
+    assert commands["xadd"]["calls"] >= 4, "each request was appended to the request stream"
+    assert report["redis_server"] and report["command"].startswith("python bench/redis_saturation.py")
+    assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == ["saturation-gateway-0.log", "saturation-worker-0.log"]
