@@ -8,7 +8,7 @@ Two priorities (protocol: `interactive`, the default, and `batch`). Everywhere a
 first" reads "interactive sequences oldest first, then batch sequences oldest first", and "the
 most recent" reads "the newest batch sequence, then the newest interactive one": the one order
 (`_in_priority_order`) serves decodes, prefill chunks, page reservations and the choice of
-victims, so the rules stay those of one queue. Three rules on top, each for time to first token:
+victims, so the rules stay those of one queue. Four rules on top, each for time to first token:
 
 - **Interactive sequences take slots and pages from batch ones.** The waiting queue keeps every
   interactive sequence ahead of every batch one. When the interactive sequence at its head lacks a
