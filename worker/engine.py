@@ -31,7 +31,7 @@ from worker.kv_cache import KVCache, default_kv_budget, page_bytes
 from worker.model.loader import LoadedModel
 from worker.prompt import PromptTooLong
 from worker.sampler import MAX_LOGPROBS, Sampled, SamplingState, TokenLogprob, sample
-from worker.scheduler import Scheduled, Scheduler, Sequence, StepPlan
+from worker.scheduler import BATCH_TOKENS_BESIDE_INTERACTIVE, Scheduled, Scheduler, Sequence, StepPlan
 from worker.step_threads import StepThreads
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,12 @@ class Engine:
 
             forward = compute_thread.run(graphed, model.model, self.kv.kv, max_batch=max_seqs, num_kv_heads=model.config.num_kv_heads)
             self.model = dataclasses.replace(model, model=forward)
-        self.scheduler = Scheduler(self.kv, max_seqs=max_seqs, step_tokens=step_tokens, max_context=self.max_context)
+        # A CPU step's time grows with its rows, so batch work beside interactive work is kept small there
+        # (worker/scheduler.py); a GPU decode step costs about the same at 8 rows as at 64, so it is not.
+        batch_tokens = BATCH_TOKENS_BESIDE_INTERACTIVE if model.device.type == "cpu" else step_tokens
+        self.scheduler = Scheduler(
+            self.kv, max_seqs=max_seqs, step_tokens=step_tokens, max_context=self.max_context, batch_tokens_beside_interactive=batch_tokens
+        )
         self.step_threads = StepThreads(compute_thread.run(torch.get_num_threads), model.parameter_count) if model.device.type == "cpu" else None
         self._on_step = on_step
         self._on_step_seconds = on_step_seconds  # each step's duration (the metrics' histogram)
