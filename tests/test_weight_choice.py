@@ -84,13 +84,15 @@ def test_both_weight_sets_of_the_auto_mode_stay_close_to_float32(monkeypatch: py
 
 
 @pytest.mark.slow
-def test_the_default_cpu_mode_runs_the_head_of_small_steps_on_int8() -> None:
-    """With the measured choice off, `auto` is int4 linears and the tiered output head alone."""
+def test_the_default_cpu_mode_runs_small_steps_on_int4_long_prompts_on_dense_copies() -> None:
+    """With the measured choice off, `auto` is int4 linears with packed dense copies from DENSE_FROM_ROWS rows,
+    and the output head on int8 weights below HEAD_INT8_BELOW rows."""
     from worker.model import loader
 
     auto = loader.load_model(device="cpu")
     head = auto.model.lm_head
     assert isinstance(head, TieredLinear) and isinstance(head.small, Int8Linear) and isinstance(head.dense, PackedLinear)
     assert head.dense_from_rows == auto.head_int8_below == loader.HEAD_INT8_BELOW
-    assert isinstance(auto.model.layers[0].gate_up, Int4Linear)
-    assert not any(isinstance(module, TieredLinear) for module in auto.model.layers.modules())
+    gate_up = auto.model.layers[0].gate_up
+    assert isinstance(gate_up, TieredLinear) and isinstance(gate_up.small, Int4Linear) and isinstance(gate_up.dense, PackedLinear)
+    assert gate_up.dense_from_rows == auto.dense_from_rows == loader.DENSE_FROM_ROWS

@@ -18,7 +18,7 @@ from worker.model.checkpoint import Checkpoint
 from worker.model.config import ModelConfig
 from worker.model.gguf_loader import read_gguf_checkpoint
 from worker.model.hf_loader import read_hf_checkpoint
-from worker.model.weight_choice import choose_cpu_weights
+from worker.model.weight_choice import choose_cpu_weights, dense_copies_fit
 from worker.token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,10 @@ MEASURE_WEIGHTS = False
 # (the head of a decode step at batch 1: 8.5-9.8 -> 4.8 ms on one core of the Intel machine; mean KL from float32
 # 0.0011 -> 0.0023, the bar being 0.005) and on packed bfloat16 (the same results as F.linear) from there on.
 HEAD_INT8_BELOW = 8
+# quant auto on a CPU, without the measurement: steps of this many rows or more (a long prompt's chunks) run on
+# packed bfloat16 copies (AMX where the CPU has it) when they fit (weight_choice.dense_copies_fit): a 1,494-token
+# prompt's first token 5.2 -> 1.3 s on the Intel machine, while short prompts and decodes keep the int4 weights.
+DENSE_FROM_ROWS = 128
 
 
 @dataclass
@@ -119,13 +123,18 @@ def load_model(path: str | None = None, *, dtype: str = "auto", quant: str = "au
     # The measured choice (weight_choice.py) stays off until its tiered weights pass the reference and
     # quality tests: prefill on dense bf16 copies changes the default model's greedy answers ("What is the
     # capital of France?" starts "L'Étoile" instead of "The capital of France is Paris": the bfloat16/none
-    # tie of docs/weight-modes.md, tests/test_serve.py). The int8 output head alone keeps them.
+    # tie of docs/weight-modes.md, tests/test_serve.py). The int8 output head, and dense copies only from
+    # DENSE_FROM_ROWS rows (no short prompt's step reaches them), keep them.
     auto_cpu = quant == "auto" and torch_device.type == "cpu" and dtype in ("auto", "bfloat16")
     measure = MEASURE_WEIGHTS and auto_cpu
     torch_dtype, quant = resolve_weight_mode(dtype, quant, torch_device)
     checkpoint = _read_checkpoint(model_path)
     dense_from_rows, head_int8_below = None, HEAD_INT8_BELOW if auto_cpu else None
+    if auto_cpu and quant in ("int8", "int4") and dense_copies_fit(torch_dtype, _dense_bytes(checkpoint, torch_dtype)):
+        dense_from_rows = DENSE_FROM_ROWS
     weights_note = f" (output head int8 below {head_int8_below} rows)" if head_int8_below else ""
+    if dense_from_rows:
+        weights_note += f" (packed bfloat16 copies from {dense_from_rows} rows)"
     if measure:
         choice = choose_cpu_weights(checkpoint.config, torch_dtype, _dense_bytes(checkpoint, torch_dtype))
         quant, dense_from_rows, weights_note = choice.quant, choice.dense_from_rows, f" ({choice.describe()})"

@@ -19,9 +19,11 @@ The dense copies cost 2 bytes per weight on top of the quantized ones, so they a
 they take at most DENSE_MEMORY_SHARE of the memory available at start-up; otherwise every step runs
 on the quantized weights.
 
-Off by default for now (worker/model/loader.py: MEASURE_WEIGHTS): a prefill on the dense bfloat16 copies
-meets bfloat16/none's near-tie on the default model's first answer to "What is the capital of France?".
-`quant auto` then keeps only the int8 output head for small steps (loader.HEAD_INT8_BELOW).
+The measurement is off by default for now (worker/model/loader.py: MEASURE_WEIGHTS): a prefill of a
+short prompt on the dense bfloat16 copies meets bfloat16/none's near-tie on the default model's first
+answer to "What is the capital of France?". `quant auto` then uses the dense copies only from
+loader.DENSE_FROM_ROWS rows (long prompt chunks, very large batches), where they are several times
+faster and no short prompt reaches them, and the int8 output head for small steps (loader.HEAD_INT8_BELOW).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def choose_cpu_weights(config: ModelConfig, dtype: torch.dtype, dense_bytes: int
     candidates = {"int8": _layer(shapes, "int8", dtype)}
     if all(int4_supported(shape, device) for shape in shapes):
         candidates["int4"] = _layer(shapes, "int4", dtype)
-    if packed_linear_supported(device, dtype) and dense_bytes <= DENSE_MEMORY_SHARE * available_memory():
+    if dense_copies_fit(dtype, dense_bytes):
         candidates["dense"] = _layer(shapes, "dense", dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread's CPU time: blind to other processes on the cores, which stall parallel kernels
@@ -87,6 +89,11 @@ def choose_cpu_weights(config: ModelConfig, dtype: torch.dtype, dense_bytes: int
     if "dense" in micros:
         dense_from = next((rows for rows in ROWS if micros["dense"][rows] <= DENSE_MARGIN * micros[quant][rows]), None)
     return WeightChoice(quant=quant, dense_from_rows=dense_from, micros=micros)
+
+
+def dense_copies_fit(dtype: torch.dtype, dense_bytes: int) -> bool:
+    """Whether packed dense copies of every linear (`dense_bytes`) can run here and fit the memory share they may take."""
+    return packed_linear_supported(torch.device("cpu"), dtype) and dense_bytes <= DENSE_MEMORY_SHARE * available_memory()
 
 
 def available_memory() -> int:
