@@ -126,19 +126,12 @@ def load_model(path: str | None = None, *, dtype: str = "auto", quant: str = "au
     # tie of docs/weight-modes.md, tests/test_serve.py). The int8 output head, and dense copies only from
     # DENSE_FROM_ROWS rows (no short prompt's step reaches them), keep them.
     auto_cpu = quant == "auto" and torch_device.type == "cpu" and dtype in ("auto", "bfloat16")
-    measure = MEASURE_WEIGHTS and auto_cpu
     torch_dtype, quant = resolve_weight_mode(dtype, quant, torch_device)
     checkpoint = _read_checkpoint(model_path)
-    dense_from_rows, head_int8_below = None, HEAD_INT8_BELOW if auto_cpu else None
-    if auto_cpu and quant in ("int8", "int4") and dense_copies_fit(torch_dtype, _dense_bytes(checkpoint, torch_dtype)):
-        dense_from_rows = DENSE_FROM_ROWS
-    weights_note = f" (output head int8 below {head_int8_below} rows)" if head_int8_below else ""
-    if dense_from_rows:
-        weights_note += f" (packed bfloat16 copies from {dense_from_rows} rows)"
-    if measure:
-        choice = choose_cpu_weights(checkpoint.config, torch_dtype, _dense_bytes(checkpoint, torch_dtype))
-        quant, dense_from_rows, weights_note = choice.quant, choice.dense_from_rows, f" ({choice.describe()})"
-        head_int8_below = dense_from_rows or HEAD_INT8_BELOW
+    dense_from_rows = head_int8_below = None
+    weights_note = ""
+    if auto_cpu:
+        quant, dense_from_rows, head_int8_below, weights_note = _cpu_tiers(checkpoint, torch_dtype, quant, MEASURE_WEIGHTS)
     model = build_model(
         checkpoint.config, checkpoint.weights, torch_dtype, quant, torch_device, checkpoint.name, dense_from_rows, head_int8_below
     )
@@ -166,6 +159,17 @@ def load_model(path: str | None = None, *, dtype: str = "auto", quant: str = "au
         dense_from_rows=dense_from_rows,
         head_int8_below=head_int8_below,
     )
+
+
+def _cpu_tiers(checkpoint: Checkpoint, dtype: torch.dtype, quant: str, measure: bool) -> tuple[str, int | None, int, str]:
+    """`quant auto` on a CPU: (quant, dense_from_rows, head_int8_below, a note for the log)."""
+    dense_bytes = _dense_bytes(checkpoint, dtype)
+    if measure:
+        choice = choose_cpu_weights(checkpoint.config, dtype, dense_bytes)
+        return choice.quant, choice.dense_from_rows, choice.dense_from_rows or HEAD_INT8_BELOW, f" ({choice.describe()})"
+    dense_from_rows = DENSE_FROM_ROWS if dense_copies_fit(dtype, dense_bytes) else None
+    dense_note = f", packed bfloat16 copies from {dense_from_rows} rows" if dense_from_rows else ""
+    return quant, dense_from_rows, HEAD_INT8_BELOW, f" (output head int8 below {HEAD_INT8_BELOW} rows{dense_note})"
 
 
 def _dense_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:
