@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import protocol
+from protocol.cluster_url import shard_layout
 from protocol.redis_client import connect
 
 from . import anthropic, openai, status, tokenize
@@ -44,7 +45,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         failure = ApiError(exc.status, _http_message(request, exc))
-    except (RedisConnectionError, RedisTimeoutError) as exc:
+    except (RedisConnectionError, RedisTimeoutError, RedisClusterException) as exc:  # the last: no node of a cluster answers
         log.warning("redis unavailable: %s", exc)
         failure = ApiError(503, "the request queue is unavailable; retry later", code="unavailable")
     except RedisError as exc:
@@ -56,13 +57,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def create_app(config: GatewayConfig) -> web.Application:
     redis = connect(config.redis_url)
+    shards = shard_layout(config.redis_url)
     gateway = Gateway(
         config=config,
         redis=redis,
         replies=ReplyRouter(redis, protocol.gateway_reply_channel(config.gateway_id)),
-        queue=RequestQueue(redis, config.max_queue, config.retry_after),
-        models=ModelRegistry(redis),
+        queue=RequestQueue(redis, shards, config.max_queue, config.retry_after),
+        models=ModelRegistry(redis, shards.home),
         metrics=Metrics(),
+        shards=shards,
     )
     keys = load_api_keys(config)
     app = web.Application(

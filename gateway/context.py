@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from protocol.keys import ShardLayout
+
 from .config import GatewayConfig
 from .metrics import Metrics
 from .workers import ModelRegistry
@@ -22,6 +24,7 @@ class Gateway:
     queue: RequestQueue
     models: ModelRegistry
     metrics: Metrics
+    shards: ShardLayout  # where keys live: one untagged shard, or K on a Redis Cluster (protocol/keys.py)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

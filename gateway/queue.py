@@ -2,6 +2,9 @@
 
 A request goes to its model's stream for its priority (protocol/keys.py: interactive requests to
 `lmq:req:<model>`, batch ones to `lmq:req-batch:<model>`); the backpressure counts that stream.
+On a Redis Cluster each of the K shards has such streams and a request goes to the shard its id
+hashes to; the backpressure then counts that shard's stream against 1/K of `max_queue`, so
+admission stays one round trip.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 import protocol
+from protocol.keys import INTERACTIVE, ShardLayout
 from protocol.request_groups import RequestGroups
 
 from .errors import ApiError
@@ -20,19 +24,24 @@ log = logging.getLogger(__name__)
 
 
 class RequestQueue:
-    def __init__(self, redis: aioredis.Redis, max_queue: int, retry_after: int):
+    def __init__(self, redis: aioredis.Redis, shards: ShardLayout, max_queue: int, retry_after: int):
         self.redis = redis
+        self.shards = shards
         self.max_queue = max_queue
+        self._max_per_shard = -(-max_queue // len(shards.shards))
         self.retry_after = retry_after
         self.groups = RequestGroups(redis)
 
-    async def waiting(self, model: str, priority: str = "interactive") -> int:
-        """Requests in the model's stream of `priority` that no worker has taken yet.
+    def stream_of(self, request: protocol.Request) -> str:
+        return self.shards.for_request(request.id).request_stream(request.model, request.priority)
 
-        Workers delete finished entries, so the stream holds waiting and running work; the
-        group's pending list holds the running part.
-        """
-        stream = protocol.request_stream(model, priority)
+    async def waiting(self, model: str, priority: str = INTERACTIVE) -> int:
+        """Requests in the model's streams of `priority` (all shards) that no worker has taken yet."""
+        return sum([await self._waiting_in(shard.request_stream(model, priority)) for shard in self.shards.shards])
+
+    async def _waiting_in(self, stream: str) -> int:
+        """Workers delete finished entries, so the stream holds waiting and running work; the
+        group's pending list holds the running part."""
         await self.groups.ensure(stream)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xlen(stream)
@@ -49,31 +58,30 @@ class RequestQueue:
 
     async def submit(self, request: protocol.Request) -> str:
         """Append the request to its model's stream; returns the entry id. A full queue is a 429."""
-        if await self.waiting(request.model, request.priority) >= self.max_queue:
+        stream = self.stream_of(request)
+        if await self._waiting_in(stream) >= self._max_per_shard:
             raise ApiError(
                 429,
                 f"the queue for {request.model} is full ({self.max_queue} requests waiting); retry later",
                 code="overloaded",
                 retry_after=self.retry_after,
             )
-        entry_id = await self.redis.xadd(protocol.request_stream(request.model, request.priority), {"msg": request.encode()})
+        entry_id = await self.redis.xadd(stream, {"msg": request.encode()})
         return entry_id.decode()
 
     async def taken(self, request: protocol.Request, entry_id: str) -> bool:
         """Whether a worker has read the request (it is pending in the group)."""
-        stream = protocol.request_stream(request.model, request.priority)
         try:
-            return bool(await self.redis.xpending_range(stream, protocol.REQUEST_GROUP, min=entry_id, max=entry_id, count=1))
+            return bool(await self.redis.xpending_range(self.stream_of(request), protocol.REQUEST_GROUP, min=entry_id, max=entry_id, count=1))
         except RedisError as exc:
             log.warning("could not tell whether %s was taken: %s", request.id, exc)
             return False
 
     async def withdraw(self, request: protocol.Request, entry_id: str) -> None:
-        """Take back a request the client no longer waits for: unread, it is deleted; running, it is cancelled."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xdel(protocol.request_stream(request.model, request.priority), entry_id)
-        pipe.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(request.id))
+        """Take back a request the client no longer waits for: unread, it is deleted; running, it is cancelled.
+        Two commands, not a pipeline: a cluster pipeline refuses PUBLISH."""
         try:
-            await pipe.execute()
+            await self.redis.xdel(self.stream_of(request), entry_id)
+            await self.redis.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(request.id))
         except RedisError as exc:  # the worker still drops it at its deadline
             log.warning("could not withdraw %s: %s", request.id, exc)

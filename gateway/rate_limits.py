@@ -8,7 +8,9 @@ under /v1/ except the batch APIs (their work runs on spare capacity and has limi
 The window is fixed and starts with a key's first request after the previous one ended (a
 counter that expires 60 s after it was created). One Lua script reads both counters and counts
 the request, so gateways that admit requests of one key at the same moment cannot both take the
-last one. Tokens are known only when an answer ends: a request is admitted while the key's tokens
+last one; the script's two keys are one key's counters under one hash tag
+(`lmq:ratelimit:{<digest>}:requests|tokens`), so on a Redis Cluster they share the slot a script
+needs. Tokens are known only when an answer ends: a request is admitted while the key's tokens
 in the window are below its limit, and its tokens (as the access line reports them) are added
 when it ends. So a key can overshoot its token limit by the requests it had running, never more.
 

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, TimeoutError
 
 import protocol
+from protocol.redis_client import pubsub
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class ReplyRouter:
         self.listening = False
 
     async def start(self) -> None:
-        self._pubsub = self.redis.pubsub()
+        self._pubsub = await pubsub(self.redis)
         await self._pubsub.subscribe(self.channel)
         self.listening = True
         self._reader = asyncio.create_task(self._read(), name=f"replies:{self.channel}")

@@ -8,7 +8,7 @@ import time
 import redis.asyncio as aioredis
 
 import protocol
-from protocol.keys import WORKER_KEY_PREFIX
+from protocol.keys import UNSHARDED, Shard
 
 from .errors import ApiError
 
@@ -19,13 +19,14 @@ RETRY_AFTER_NO_WORKER_S = 5
 
 
 class ModelRegistry:
-    def __init__(self, redis: aioredis.Redis):
+    def __init__(self, redis: aioredis.Redis, home: Shard = UNSHARDED):
         self.redis = redis
+        self.home = home  # where heartbeats live
         self._served: set[str] = set()
         self._read_at = float("-inf")
 
     async def heartbeats(self) -> list[protocol.Heartbeat]:
-        keys = [key async for key in self.redis.scan_iter(match=f"{WORKER_KEY_PREFIX}*", count=1000)]
+        keys = [key async for key in self.redis.scan_iter(match=f"{self.home.worker_key_prefix}*", count=1000)]
         values = await self.redis.mget(keys) if keys else []
         beats = []
         for key, raw in zip(keys, values):
@@ -50,7 +51,7 @@ class ModelRegistry:
         never served is a 404."""
         if model in await self.served() or model in await self.served(fresh=True):
             return model
-        if await self.redis.exists(protocol.request_stream(model)):
+        if await self.redis.exists(self.home.request_stream(model)):
             raise ApiError(
                 503, f"no worker serves {model!r} right now; retry shortly", code="no_worker", retry_after=RETRY_AFTER_NO_WORKER_S
             )

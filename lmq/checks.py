@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from gateway.config import GatewayConfig
+from protocol.cluster_url import is_cluster_url, parse_cluster_url
 from protocol.sentinel_url import is_sentinel_url, parse_sentinel_url
 from worker.config import DTYPES, QUANTS, WorkerConfig, parse_kv_memory
 
@@ -71,10 +72,11 @@ def check_worker(config: WorkerConfig) -> None:
 
 
 def check_redis_url(settings_class: type, url: str) -> None:
-    """A Sentinel URL lmq cannot read (protocol/sentinel_url.py) is refused here; any other URL
-    is redis-py's to read, at the start-up PING (lmq/serve.py: check_redis)."""
-    if is_sentinel_url(url):
+    """A Sentinel or Cluster URL lmq cannot read (protocol/sentinel_url.py, protocol/cluster_url.py)
+    is refused here; any other URL is redis-py's to read, at the start-up PING (lmq/serve.py: check_redis)."""
+    parse = parse_sentinel_url if is_sentinel_url(url) else parse_cluster_url if is_cluster_url(url) else None
+    if parse is not None:
         try:
-            parse_sentinel_url(url)
+            parse(url)
         except ValueError as exc:
             raise ValueError(f"{setting_name(settings_class, 'redis_url')}: {exc}") from None

@@ -99,7 +99,7 @@ def check_redis(url: str, channels: tuple[str, ...] = (), timeout: float = REDIS
         if channels:
             _check_subscribe(client, channels, timeout)
     except redis_errors.AuthenticationError as exc:
-        if client.connection_pool.connection_kwargs.get("password") is None:
+        if _login_options(client).get("password") is None:
             raise FatalError(f"Redis at {where} needs a password and REDIS_URL has none (redis://:PASSWORD@host:port/0)") from exc
         raise FatalError(f"Redis at {where} refused the login in REDIS_URL: {_message(exc)}") from exc
     except redis_errors.AuthenticationWrongNumberOfArgsError as exc:
@@ -114,6 +114,11 @@ def check_redis(url: str, channels: tuple[str, ...] = (), timeout: float = REDIS
         raise FatalError(f"Redis at {where} refused PING: {_message(exc)}") from exc
     finally:
         client.close()
+
+
+def _login_options(client) -> dict:
+    pool = getattr(client, "connection_pool", None)  # a cluster client has a pool per node instead
+    return pool.connection_kwargs if pool is not None else client.nodes_manager.connection_kwargs
 
 
 def _no_primary(url: str) -> str:

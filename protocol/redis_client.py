@@ -12,22 +12,35 @@ address, and what survives a restart survives it: the broken connections fail or
 as after a restart, the pub/sub subscriptions of the gateway and the worker reconnect (to the
 new primary) and fail what they may have missed, the worker recreates a consumer group the
 promoted replica lacks.
+
+A `redis+cluster://` URL (protocol/cluster_url.py) gives redis-py's cluster client, which routes
+each command to the primary of its key's slot and follows the slot map as it changes. Its pools
+do not wait for a free connection (they raise past their size), so they are made larger.
 """
 
 from __future__ import annotations
 
 import redis
+import redis.cluster
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel
 import redis.sentinel
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError, RedisClusterException, RedisError, TimeoutError
 
+from .cluster_url import is_cluster_url, parse_cluster_url
 from .sentinel_url import SentinelAddress, is_sentinel_url, parse_sentinel_url
 
+# What a command may raise when Redis fails: redis-py's errors, and, from a cluster client that
+# reaches no node, RedisClusterException (which is not a RedisError).
+REDIS_FAILURES = (RedisError, RedisClusterException)
+UNREACHABLE = (ConnectionError, TimeoutError, RedisClusterException)
+
 MAX_CONNECTIONS = 100
+MAX_CLUSTER_CONNECTIONS = 1000  # per node
 CONNECTION_WAIT_S = 10.0
 RETRIES = 3  # per command: backoff 0.05, 0.1, 0.2 s, enough to get past a dead pooled connection
 # A sentinel, or a primary that a failover left behind, may be a host that is gone: a connection
@@ -37,7 +50,9 @@ PRIMARY_CONNECT_TIMEOUT_S = 5.0
 
 
 def connect(url: str) -> aioredis.Redis:
-    """The client for `url`: `redis://`, `rediss://`, `unix://`, or `redis+sentinel://`."""
+    """The client for `url`: `redis://`, `rediss://`, `unix://`, `redis+sentinel://` or `redis+cluster://`."""
+    if is_cluster_url(url):
+        return _cluster(url)
     options = dict(
         max_connections=MAX_CONNECTIONS,
         timeout=CONNECTION_WAIT_S,
@@ -54,10 +69,34 @@ def connect(url: str) -> aioredis.Redis:
 
 def connect_sync(url: str, **connection_options) -> redis.Redis:
     """A blocking client for one-off checks (lmq's start-up PING), any of `connect`'s URLs."""
+    if is_cluster_url(url):
+        address = parse_cluster_url(url)
+        nodes = [redis.cluster.ClusterNode(host, port) for host, port in address.nodes]
+        return redis.cluster.RedisCluster(startup_nodes=nodes, username=address.username, password=address.password, **connection_options)
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **connection_options)
     address = parse_sentinel_url(url)
     return _sentinels(redis.sentinel.Sentinel, address).master_for(address.service, **{**_primary_login(address), **connection_options})
+
+
+async def pubsub(client: aioredis.Redis) -> aioredis.client.PubSub:
+    """A pub/sub of `client`. A cluster client learns the slot map on its first command, and its
+    pub/sub needs that map before it can pick a node: it is learnt first."""
+    if isinstance(client, RedisCluster):
+        await client.initialize()
+    return client.pubsub()
+
+
+def _cluster(url: str) -> RedisCluster:
+    address = parse_cluster_url(url)
+    return RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
+        username=address.username,
+        password=address.password,
+        max_connections=MAX_CLUSTER_CONNECTIONS,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), RETRIES),
+        retry_on_error=[ConnectionError, TimeoutError],
+    )
 
 
 class BlockingSentinelConnectionPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):

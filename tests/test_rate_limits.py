@@ -8,6 +8,7 @@ import anthropic
 import openai
 import pytest
 from gateway_support import MODEL, running_gateway, words_script, worker_running
+from redis.crc import key_slot
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -99,3 +100,13 @@ async def test_a_key_file_line_sets_that_keys_own_limits(redis_url, worker, tmp_
             assert "x-ratelimit-limit-requests" not in answer.headers
         with pytest.raises(openai.AuthenticationError):
             await ask_openai(url, "requests=1")  # the options are not keys
+
+
+async def test_a_keys_counters_share_one_hash_slot_and_never_spell_the_key(redis_url, redis_client, worker):
+    """The admission script reads and writes both counters: on a Redis Cluster they must lie in one slot."""
+    async with running_gateway(redis_url, api_keys="sk-secret-7", rate_limit_requests=5, rate_limit_tokens=1000) as url:
+        await ask_openai(url, "sk-secret-7")
+    names = sorted([key.decode() async for key in redis_client.scan_iter(match="lmq:ratelimit:*")])
+    assert [name.rsplit(":", 1)[1] for name in names] == ["requests", "tokens"]
+    assert len({key_slot(name.encode()) for name in names}) == 1 and all("{" in name for name in names)
+    assert not any("sk-secret-7" in name for name in names)

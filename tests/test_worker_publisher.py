@@ -164,3 +164,42 @@ async def test_a_refused_reply_is_dead_lettered_once_whatever_follows(redis_clie
     task.cancel()
     assert [fields[b"code"] for _, fields in await redis_client.xrange(DEAD_LETTER_STREAM)] == [b"reply_denied"]
     assert (await redis_client.xpending(STREAM, REQUEST_GROUP))["pending"] == 0
+
+
+async def test_a_step_over_shards_writes_each_shard_with_its_own_keys(redis_client):
+    """The lanes of two shards (a cluster's layout, here on one Redis): one step's writes reach each
+    entry's own stream, progress key and dead-letter stream, and the applied-step fence is per shard."""
+    from protocol.keys import sharded
+    from worker.claims import RequestStreams, model_lanes
+
+    layout = sharded(2)
+    lanes = model_lanes(layout, "m")
+    streams = RequestStreams(redis_client, lanes, "w1")
+    await streams.ensure_group()
+    first, second = (lane for lane in lanes if lane.priority == "interactive")
+    handles = []
+    for lane in (first, second):
+        await redis_client.xadd(lane.stream, {"msg": b"x"})
+        [entry] = await streams.read_new(lane.name, 1, 100)
+        handles.append(entry.entry_id)
+    assert handles[0] != handles[1] and "/" in handles[1]  # the second shard's entries carry their lane
+    publisher = Publisher(redis_client, lanes, "w1")
+    task = asyncio.create_task(publisher.run())
+    try:
+        for handle, request_id in zip(handles, ("r0", "r1")):
+            publisher.record_progress(handle, request_id, 0, [4, 2])
+        publisher.dead_letter(handles[1], b"x", "bad_request", "test")
+        await publisher.flush()
+        for lane, request_id in zip((first, second), ("r0", "r1")):
+            assert decode_progress(await redis_client.get(lane.shard.progress_key(request_id))) == [4, 2]
+            assert await redis_client.get(progress_key(request_id)) is None  # no unsharded name
+        assert await redis_client.xlen(second.shard.dead_letter_stream) == 1
+        assert await redis_client.xlen(first.shard.dead_letter_stream) == 0
+        for handle, request_id in zip(handles, ("r0", "r1")):
+            publisher.finish(handle, request_id)
+        await publisher.flush()
+        for lane in (first, second):
+            assert await redis_client.xlen(lane.stream) == 0  # acknowledged and deleted in its own stream
+            assert len(await redis_client.keys(lane.shard.key("applied:w1:*"))) == 1
+    finally:
+        task.cancel()

@@ -1,11 +1,12 @@
 """The request streams seen by one consumer of the `workers` group: read, claim, keep, count.
 
-`RequestStream` is one stream. `RequestStreams` is the pair a worker serves, one per priority
-(protocol/keys.py: `lmq:req:<model>` and `lmq:req-batch:<model>`), behind the same interface. The
-two streams number their entries independently, so the same id can exist in both: a worker names
-an entry by a handle that is unique across them (`entry_handle`), the plain id for the interactive
-stream (as before priorities existed) and `batch/<id>` for the batch stream, and every write or
-acknowledgement goes to the handle's own stream (worker/publisher.py does the same).
+`RequestStream` is one stream. A worker reads one stream per priority in each shard
+(protocol/keys.py: `lmq:req:<model>` and `lmq:req-batch:<model>` on one Redis; the same in each of
+K hash-tagged shards on a cluster): a `Lane` each. `RequestStreams` holds them behind one
+interface. Streams number their entries independently, so the same id can exist in two: a worker
+names an entry by a handle that is unique across its lanes (`entry_handle`), the plain id for the
+home shard's interactive lane (as before priorities existed) and `<lane>/<id>` for the others, and
+every write or acknowledgement goes to the handle's own stream (worker/publisher.py does the same).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from protocol import REQUEST_GROUP
-from protocol.keys import INTERACTIVE
+from protocol.keys import BATCH, INTERACTIVE, UNSHARDED, Shard, ShardLayout
 from protocol.request_groups import create_request_group
 from worker.step_script import KEEP_LUA
 
@@ -94,65 +95,92 @@ class RequestStream:
         return pending[0]["times_delivered"] if pending else 0
 
 
-def entry_handle(priority: str, entry_id: str) -> str:
-    """A name for an entry that is unique across a worker's streams ('/' never occurs in a stream id)."""
-    return entry_id if priority == INTERACTIVE else f"{priority}/{entry_id}"
+@dataclass(frozen=True)
+class Lane:
+    """One stream a worker reads: the requests of one priority in one shard."""
+
+    priority: str
+    stream: str
+    shard: Shard = UNSHARDED
+
+    @property
+    def name(self) -> str:
+        """Unique among a worker's lanes, without '/': the priority, plus `@<shard>` beyond the home shard."""
+        return self.priority if self.shard.index == 0 else f"{self.priority}@{self.shard.index}"
+
+
+def model_lanes(layout: ShardLayout, model: str) -> list[Lane]:
+    """The lanes of a worker serving `model`, in the order they are served: every shard's interactive
+    stream, then every shard's batch stream."""
+    return [Lane(priority, shard.request_stream(model, priority), shard) for priority in (INTERACTIVE, BATCH) for shard in layout.shards]
+
+
+def entry_handle(lane: str, entry_id: str) -> str:
+    """A name for an entry that is unique across a worker's lanes ('/' never occurs in a stream id)."""
+    return entry_id if lane == INTERACTIVE else f"{lane}/{entry_id}"
 
 
 def split_handle(handle: str) -> tuple[str, str]:
-    """(priority, stream entry id) of a handle made by `entry_handle`."""
-    priority, slash, entry_id = handle.rpartition("/")
-    return (priority, entry_id) if slash else (INTERACTIVE, handle)
+    """(lane name, stream entry id) of a handle made by `entry_handle`."""
+    lane, slash, entry_id = handle.rpartition("/")
+    return (lane, entry_id) if slash else (INTERACTIVE, handle)
 
 
 class RequestStreams:
-    """One consumer's view of its model's streams, one per priority, in the order they are served.
+    """One consumer's view of its model's lanes, in the order they are served.
 
     Entries come out as `Entry` objects whose `entry_id` is a handle (`entry_handle`); every method
     that takes entry ids takes handles and sends each to its own stream."""
 
-    def __init__(self, redis: aioredis.Redis, streams: dict[str, str], consumer: str):
-        self.by_priority = {priority: RequestStream(redis, stream, consumer) for priority, stream in streams.items()}
+    def __init__(self, redis: aioredis.Redis, lanes: list[Lane], consumer: str):
+        self.lanes = {lane.name: lane for lane in lanes}
+        self.by_lane = {lane.name: RequestStream(redis, lane.stream, consumer) for lane in lanes}
 
     @property
     def stream(self) -> str:
         """The streams' names, for log lines."""
-        return " + ".join(stream.stream for stream in self.by_priority.values())
+        return " + ".join(lane.stream for lane in self.lanes.values())
+
+    def lane_of(self, handle: str) -> Lane:
+        return self.lanes[split_handle(handle)[0]]
 
     async def ensure_group(self) -> None:
-        for stream in self.by_priority.values():
+        for stream in self.by_lane.values():
             await stream.ensure_group()
 
-    async def read_new(self, priority: str, count: int, block_ms: int) -> list[Entry]:
-        """Up to `count` new entries of one priority's stream (each priority has its own reader)."""
-        return self._handles(priority, await self.by_priority[priority].read_new(count, block_ms))
+    async def read_new(self, lane: str, count: int, block_ms: int) -> list[Entry]:
+        """Up to `count` new entries of one lane's stream (each lane has its own reader)."""
+        return self._handles(lane, await self.by_lane[lane].read_new(count, block_ms))
 
     async def claim_idle(self, min_idle_ms: int, counts: dict[str, int]) -> list[Entry]:
-        """Take over idle entries, up to `counts[priority]` of each stream, interactive ones first."""
+        """Take over idle entries, up to `counts[priority]` of each priority over all its lanes, interactive ones first."""
+        left = dict(counts)
         claimed: list[Entry] = []
-        for priority, stream in self.by_priority.items():
-            if counts.get(priority, 0) > 0:
-                claimed += self._handles(priority, await stream.claim_idle(min_idle_ms, counts[priority]))
+        for name, lane in self.lanes.items():
+            if left.get(lane.priority, 0) > 0:
+                taken = self._handles(name, await self.by_lane[name].claim_idle(min_idle_ms, left[lane.priority]))
+                left[lane.priority] -= len(taken)
+                claimed += taken
         return claimed
 
     async def keep(self, handles: list[str]) -> list[str]:
         lost: list[str] = []
-        for priority, entry_ids in _by_priority(handles).items():
-            lost += [entry_handle(priority, entry_id) for entry_id in await self.by_priority[priority].keep(entry_ids)]
+        for lane, entry_ids in _by_lane(handles).items():
+            lost += [entry_handle(lane, entry_id) for entry_id in await self.by_lane[lane].keep(entry_ids)]
         return lost
 
     async def delivery_count(self, handle: str) -> int:
-        priority, entry_id = split_handle(handle)
-        return await self.by_priority[priority].delivery_count(entry_id)
+        lane, entry_id = split_handle(handle)
+        return await self.by_lane[lane].delivery_count(entry_id)
 
     @staticmethod
-    def _handles(priority: str, entries: list[Entry]) -> list[Entry]:
-        return [Entry(entry_handle(priority, entry.entry_id), entry.fields) for entry in entries]
+    def _handles(lane: str, entries: list[Entry]) -> list[Entry]:
+        return [Entry(entry_handle(lane, entry.entry_id), entry.fields) for entry in entries]
 
 
-def _by_priority(handles: list[str]) -> dict[str, list[str]]:
+def _by_lane(handles: list[str]) -> dict[str, list[str]]:
     grouped: dict[str, list[str]] = {}
     for handle in handles:
-        priority, entry_id = split_handle(handle)
-        grouped.setdefault(priority, []).append(entry_id)
+        lane, entry_id = split_handle(handle)
+        grouped.setdefault(lane, []).append(entry_id)
     return grouped

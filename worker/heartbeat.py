@@ -1,4 +1,4 @@
-"""A worker's liveness key: `SET lmq:worker:<id> <Heartbeat> EX 10` every 2 s, deleted on stop."""
+"""A worker's liveness key: `SET lmq:worker:<id> <Heartbeat> EX 10` every 2 s, deleted on stop (in the home shard on a cluster)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import logging
 from typing import Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
-from protocol import Heartbeat, worker_key
+from protocol import Heartbeat
+from protocol.redis_client import REDIS_FAILURES
+from protocol.keys import UNSHARDED, Shard
 
 log = logging.getLogger(__name__)
 
@@ -17,14 +18,14 @@ HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TTL_S = 10
 
 
-async def heartbeat_loop(redis: aioredis.Redis, worker_id: str, current: Callable[[], Heartbeat]) -> None:
+async def heartbeat_loop(redis: aioredis.Redis, worker_id: str, current: Callable[[], Heartbeat], home: Shard = UNSHARDED) -> None:
     """Refresh the key until cancelled, then delete it so gateways stop listing this worker at once."""
-    key = worker_key(worker_id)
+    key = home.worker_key(worker_id)
     try:
         while True:
             try:
                 await redis.set(key, current().encode(), ex=HEARTBEAT_TTL_S)
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
     finally:

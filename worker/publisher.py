@@ -8,6 +8,10 @@ continues from there), and the acknowledgement of finished entries. Events and p
 therefore never disagree, whatever moment a worker dies, and a worker that lost an entry to
 another one writes nothing more for it.
 
+On a Redis Cluster a script may only touch keys of one hash slot, and each shard's keys share one
+(protocol/keys.py): a step's writes go as one script call per shard they touch, concurrently. The
+progress and holder keys of a request are those of the shard its entry came from.
+
 What was written is reported through `on_written(entry_ids)`; what the script refused comes back
 through `on_refused(entry_id, status, detail)`: `lost` (another
 worker owns the entry now) or `denied` (its reply address could not be written; the script has
@@ -23,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError, RedisError, TimeoutError
+from redis.exceptions import RedisError
 
-from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, Reply, applied_step_key, encode, encode_progress, holder_key, progress_key
-from protocol.keys import INTERACTIVE
-from worker.claims import split_handle
+from protocol import REQUEST_GROUP, Reply, encode, encode_progress
+from protocol.keys import INTERACTIVE, Shard
+from protocol.redis_client import UNREACHABLE
+from worker.claims import Lane, split_handle
 from worker.step_script import LUA
 
 log = logging.getLogger(__name__)
@@ -53,10 +58,10 @@ class _EntryWrites:
     finish: bool = False
     dead_letter: tuple[bytes, str, str] | None = None  # raw msg, code, message
 
-    def arguments(self, stream_number: int, entry_id: str) -> list[Any]:
+    def arguments(self, shard: Shard, stream_number: int, entry_id: str) -> list[Any]:
         kind, key = (self.reply.kind, self.reply.key) if self.reply else ("", "")
         record: list[Any] = [stream_number, entry_id, kind, key, len(self.events), *self.events]
-        keys = [progress_key(self.request_id), holder_key(self.request_id)] if self.request_id else ["", ""]
+        keys = [shard.progress_key(self.request_id), shard.holder_key(self.request_id)] if self.request_id else ["", ""]
         record += [*keys, self.progress_offset * TOKEN_BYTES, encode_progress(self.progress)]
         record += ["1" if self.finish else "", "1" if self.dead_letter else ""]
         return record + list(self.dead_letter or ())
@@ -66,21 +71,20 @@ class Publisher:
     def __init__(
         self,
         redis: aioredis.Redis,
-        request_streams: str | dict[str, str],
+        lanes: str | list[Lane],
         consumer: str,
         on_refused: Refused | None = None,
         on_written: Callable[[list[str]], None] | None = None,
     ):
         self.redis = redis
         # Entries are named by handles (worker/claims.py: entry_handle): each write goes to its entry's own stream.
-        self.request_streams = {INTERACTIVE: request_streams} if isinstance(request_streams, str) else dict(request_streams)
-        self._stream_numbers = {priority: number for number, priority in enumerate(self.request_streams, start=1)}
+        self.lanes = {lane.name: lane for lane in ([Lane(INTERACTIVE, lanes)] if isinstance(lanes, str) else lanes)}
         self.consumer = consumer
         self.on_refused = on_refused or (lambda entry_id, status, detail: None)
         self.on_written = on_written or (lambda entry_ids: None)
         self._script = redis.register_script(LUA)
         # Step numbers are unique to this process, so a restarted worker with the same id starts afresh.
-        self._applied_key = applied_step_key(consumer, secrets.token_hex(4))
+        self._process_token = secrets.token_hex(4)
         self._step = 0
         self._pending: dict[str, _EntryWrites] = {}
         self._wakeup = asyncio.Event()
@@ -138,16 +142,24 @@ class Publisher:
 
     async def _send(self, writes: dict[str, _EntryWrites]) -> None:
         self._step += 1
-        keys = [DEAD_LETTER_STREAM, self._applied_key, *self.request_streams.values()]
+        by_shard: dict[Shard, dict[str, _EntryWrites]] = {}
+        for handle, entry_writes in writes.items():
+            by_shard.setdefault(self.lanes[split_handle(handle)[0]].shard, {})[handle] = entry_writes
+        await asyncio.gather(*(self._send_to_shard(shard, shard_writes) for shard, shard_writes in by_shard.items()))
+
+    async def _send_to_shard(self, shard: Shard, writes: dict[str, _EntryWrites]) -> None:
+        lanes = [lane for lane in self.lanes.values() if lane.shard == shard]
+        stream_numbers = {lane.name: number for number, lane in enumerate(lanes, start=1)}
+        keys = [shard.dead_letter_stream, shard.applied_step_key(self.consumer, self._process_token), *(lane.stream for lane in lanes)]
         args: list[Any] = [REQUEST_GROUP, self.consumer, self._step, KEY_TTL_S, REPLY_STREAM_MAXLEN, DEAD_LETTER_MAXLEN]
         for handle, entry_writes in writes.items():
-            priority, entry_id = split_handle(handle)
-            args += entry_writes.arguments(self._stream_numbers[priority], entry_id)
+            lane, entry_id = split_handle(handle)
+            args += entry_writes.arguments(shard, stream_numbers[lane], entry_id)
         while True:
             try:
                 answer = await self._script(keys=keys, args=args)
                 break
-            except (ConnectionError, TimeoutError) as exc:
+            except UNREACHABLE as exc:
                 log.warning("redis unavailable (%s); retrying a step's writes", exc)
                 await asyncio.sleep(RETRY_DELAY_S)
             except RedisError as exc:

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import redis.asyncio as aioredis
 import torch
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from protocol import (
     CANCEL_CHANNEL,
@@ -26,14 +26,12 @@ from protocol import (
     decode_cancel,
     decode_progress,
     decode_request,
-    holder_key,
-    progress_key,
-    request_stream,
 )
-from protocol.redis_client import connect
+from protocol.cluster_url import shard_layout
+from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from worker import compute_thread
 from protocol.keys import BATCH, INTERACTIVE
-from worker.claims import Entry, RequestStreams, is_missing_group
+from worker.claims import Entry, RequestStreams, is_missing_group, model_lanes
 from worker.chat_render import tool_calls_grammar
 from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
@@ -72,9 +70,10 @@ class Worker:
         self.model = model
         self.model_name = config.model_name or model.name
         self.redis = redis
-        streams = {priority: request_stream(self.model_name, priority) for priority in (INTERACTIVE, BATCH)}
-        self.stream = RequestStreams(redis, streams, config.worker_id)
-        self.publisher = Publisher(redis, streams, config.worker_id, on_refused=self._on_refused, on_written=self._on_written)
+        self.shards = shard_layout(config.redis_url)
+        lanes = model_lanes(self.shards, self.model_name)
+        self.stream = RequestStreams(redis, lanes, config.worker_id)
+        self.publisher = Publisher(redis, lanes, config.worker_id, on_refused=self._on_refused, on_written=self._on_written)
         self.engine = Engine(
             model,
             kv_memory_bytes=parse_kv_memory(config.kv_memory),
@@ -106,7 +105,7 @@ class Worker:
         engine = asyncio.create_task(self.engine.run(), name="engine")
         background = [
             asyncio.create_task(self.publisher.run(), name="publisher"),
-            asyncio.create_task(heartbeat_loop(self.redis, self.config.worker_id, self._heartbeat), name="heartbeat"),
+            asyncio.create_task(heartbeat_loop(self.redis, self.config.worker_id, self._heartbeat, self.shards.home), name="heartbeat"),
             asyncio.create_task(self._listen_for_cancels(), name="cancels"),
             asyncio.create_task(self._keep_loop(), name="keep"),
         ]
@@ -146,15 +145,18 @@ class Worker:
     # ------------------------------------------------------------ Redis loops
 
     async def _read_loop(self) -> None:
-        """One reader per priority, each blocking on its own stream: an interactive request is read the
-        moment it arrives, even while a batch reader waits for room."""
-        readers = [asyncio.create_task(self._read_priority(priority), name=f"read-{priority}") for priority in (INTERACTIVE, BATCH)]
+        """One reader per lane (a priority's stream in one shard), each blocking on its own stream: an
+        interactive request is read the moment it arrives, even while a batch reader waits for room.
+        (With several shards, readers that wake at once may together take more than the room; the
+        engine queues the excess.)"""
+        readers = [asyncio.create_task(self._read_lane(lane), name=f"read-{lane}") for lane in self.stream.lanes]
         try:
             await asyncio.gather(*readers)
         finally:
             await _cancel(readers)
 
-    async def _read_priority(self, priority: str) -> None:
+    async def _read_lane(self, lane: str) -> None:
+        priority = self.stream.lanes[lane].priority
         while True:
             room = self._room_for(priority)
             if room <= 0:
@@ -162,9 +164,9 @@ class Worker:
                 await self._room.wait()
                 continue
             try:
-                for entry in await self.stream.read_new(priority, room, READ_BLOCK_MS):
+                for entry in await self.stream.read_new(lane, room, READ_BLOCK_MS):
                     await self._admit(entry, claimed=False)
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 await self._recover_from(exc)
 
     def _room_for(self, priority: str) -> int:
@@ -187,7 +189,7 @@ class Worker:
             try:
                 for entry in await self.stream.claim_idle(self.config.claim_idle_ms, rooms):
                     await self._admit(entry, claimed=True)
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 await self._recover_from(exc)
 
     async def _keep_loop(self) -> None:
@@ -197,20 +199,20 @@ class Worker:
             self._time_out_overdue()
             try:
                 lost = await self.stream.keep([running.entry_id for running in self.table.running.values()])
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 log.warning("could not refresh held entries: %s", exc)
                 continue
             for entry_id in lost:
                 self._on_refused(entry_id, "lost", "another worker took it over")
 
-    async def _recover_from(self, error: RedisError) -> None:
+    async def _recover_from(self, error: Exception) -> None:
         """Recreate a lost stream or group (FLUSHALL, a Redis restarted empty); else wait and retry."""
         if isinstance(error, ResponseError) and is_missing_group(error):
             log.warning("the consumer group of %s is gone; recreating it", self.stream.stream)
             try:
                 await self.stream.ensure_group()
                 return
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 error = exc
         await _pause_after(error)
 
@@ -227,18 +229,18 @@ class Worker:
         while True:
             try:
                 await self._cancel_subscription()
-            except RedisError as exc:
+            except REDIS_FAILURES as exc:
                 await _pause_after(exc)
 
     async def _cancel_subscription(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(CANCEL_CHANNEL)
+        cancels = await pubsub(self.redis)
+        await cancels.subscribe(CANCEL_CHANNEL)
         try:
-            async for message in pubsub.listen():
+            async for message in cancels.listen():
                 if message["type"] == "message":
                     self._cancel(message["data"])
         finally:
-            await pubsub.aclose()
+            await cancels.aclose()
 
     def _cancel(self, raw: bytes) -> None:
         try:
@@ -269,6 +271,12 @@ class Worker:
         except ProtocolError as exc:
             self.table.reject(entry.entry_id, raw, exc.code, exc.message, request_id=exc.request_id, reply=exc.reply)
             return
+        shard = self.stream.lane_of(entry.entry_id).shard
+        if request.reply.kind == "stream" and not shard.holds(request.reply.key):
+            # A script may write any key its node holds, so without this check where the slots lie would decide.
+            message = f"the reply stream {request.reply.key!r} is outside the request's shard: on a Redis Cluster it carries the shard's hash tag {{{shard.tag}}}"
+            self.table.reject(entry.entry_id, raw, "reply_denied", message, request_id=request.id, reply=None)
+            return
         streamed: list[int] = []
         try:
             if claimed:
@@ -280,7 +288,7 @@ class Worker:
                 return
             await self._hold_id(request, entry.entry_id)
             self._start(request, entry.entry_id, streamed)
-        except RedisError:
+        except REDIS_FAILURES:
             raise
         except Exception as exc:
             code, message = _rejection(exc)
@@ -291,7 +299,8 @@ class Worker:
 
     async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
         """For an entry taken over from a dead worker: the tokens it streamed, unless it ran too often."""
-        streamed = decode_progress(await self.redis.get(progress_key(request.id)))
+        progress = self.stream.lane_of(entry.entry_id).shard.progress_key(request.id)
+        streamed = decode_progress(await self.redis.get(progress))
         attempts = await self.stream.delivery_count(entry.entry_id)
         if attempts > self.config.max_attempts:
             raise ProtocolError("retry_limit", f"abandoned by {attempts - 1} workers; the limit is {self.config.max_attempts} runs")
@@ -300,7 +309,7 @@ class Worker:
     async def _hold_id(self, request: Request, entry_id: str) -> None:
         """Make this entry the one that runs the request's id, on every worker: two entries with one id
         would share a reply address and a progress record. The entry finishing deletes the key."""
-        key = holder_key(request.id)
+        key = self.stream.lane_of(entry_id).shard.holder_key(request.id)
         ttl = max(int(request.deadline - time.time()), 0) + HOLDER_MARGIN_S
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(key, entry_id, nx=True, ex=ttl)
@@ -385,7 +394,7 @@ async def _until_stop_or_failure(stop: asyncio.Event, tasks: list[asyncio.Task])
             raise RuntimeError(f"the {task.get_name()} task ended unexpectedly")
 
 
-async def _pause_after(error: RedisError) -> None:
+async def _pause_after(error: Exception) -> None:
     log.warning("redis: %s; retrying in %.0f s", error, REDIS_RETRY_S)
     await asyncio.sleep(REDIS_RETRY_S)
 

@@ -23,7 +23,7 @@ from .store import BatchStore
 def add_batch_routes(app: web.Application) -> None:
     """The batch endpoints, and the runner for the application's lifetime (needs `app[GATEWAY]`)."""
     gateway = app[GATEWAY]
-    store = BatchStore(gateway.redis)
+    store = BatchStore(gateway.redis, gateway.shards.home)
     app[BATCHES] = Batches(gateway, store, BatchRunner(gateway, store))
     app.cleanup_ctx.append(_running)
     router = app.router

@@ -11,7 +11,8 @@ Driving a batch, tick by tick:
 
 1. keep up to `batch_in_flight` items in the queue: each is a protocol request with priority
    `batch` (workers run it on spare capacity, after interactive work), its events on the reply
-   stream `lmq:batch:<id>:reply:<index>.<attempt>`; the XADD and the in-flight record are one script;
+   stream `lmq:batch:<id>:reply:<index>.<attempt>` (all in the home shard: store.py); the XADD and
+   the in-flight record are one script;
 2. read the runs' reply streams (one blocking XREAD for all) and fold each run's events
    (item_run.py); a run that ended writes the item's outcome once (HSETNX: a result per item,
    whatever ran twice);
@@ -40,7 +41,6 @@ from typing import Any
 from redis.exceptions import RedisError
 
 import protocol
-from protocol.keys import batch_reply_stream
 
 from ..context import Gateway
 from ..errors import ApiError
@@ -189,7 +189,7 @@ class Driver:
 
     async def _start(self, batch: Batch, index: int, item: dict[str, Any], attempt: int, retries: int | None = None) -> bool:
         request_id = f"{self.batch_id}.{index}.{attempt}"
-        reply_key = batch_reply_stream(self.batch_id, index, attempt)
+        reply_key = self.store.reply_stream(self.batch_id, index, attempt)
         try:
             request = items.batch_request(self.gateway, item, request_id, reply_key, batch.time("expires_at") or time.time())
         except ApiError as error:  # valid at upload; not under this gateway's settings (a smaller context, say)
@@ -206,7 +206,7 @@ class Driver:
 
     def _item_run(self, index: int, run: Run) -> ItemRun:
         return ItemRun(
-            index, run.attempt, run.stream, run.entry_id, batch_reply_stream(self.batch_id, index, run.attempt), f"{self.batch_id}.{index}.{run.attempt}"
+            index, run.attempt, run.stream, run.entry_id, self.store.reply_stream(self.batch_id, index, run.attempt), f"{self.batch_id}.{index}.{run.attempt}"
         )
 
     # ------------------------------------------------------------ reading the runs
@@ -296,11 +296,7 @@ class Driver:
                 await self._withdraw(run)
 
     async def _withdraw(self, run: ItemRun) -> None:
-        """Take a run back: deleted if no worker read it, cancelled if one runs it (as a gateway withdraws)."""
-        pipe = self.store.redis.pipeline(transaction=False)
-        pipe.xdel(run.stream, run.entry_id)
-        pipe.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(run.request_id))
-        await pipe.execute()
+        await self.store.withdraw(Run(run.attempt, run.stream, run.entry_id), run.request_id)
         run.withdrawn = True
         run.heard_at = 0.0  # check it for a vanished entry at the next chance
 

@@ -1,6 +1,7 @@
 """Batches and files in Redis: everything a gateway needs to drive a batch, so any gateway can.
 
-Keys (spelled in protocol/keys.py):
+Keys (spelled by the home shard, protocol/keys.py; on one Redis the names below, on a Redis
+Cluster the same with the home shard's hash tag: `lmq:{<tag>}:batch:<id>`, ...):
 
     lmq:batch:<id>            hash    the batch: api, status, timestamps, counts, next item to enqueue
     lmq:batch:<id>:items      list    one JSON object per item ({custom_id, url, body}), in input order
@@ -17,6 +18,15 @@ the batch's status and that the item is the next one (or the attempt it retries 
 flight) before it XADDs; recording an outcome is HSETNX, and the counts move only when that
 wrote. So two gateways that both believe they drive a batch (one stalled past its lease) enqueue
 nothing twice and count nothing twice. Ended batches and files expire after `RETENTION_S`.
+
+Everything here lives in the home shard, and so do the runs of batch items: an item's request
+goes to the home shard's batch stream (`home.request_stream(model, "batch")`), whatever shard its
+request id would hash to, and its events to a reply stream of the home shard. The enqueue script
+XADDs the item and records it in the batch's hashes in one step, and the worker's step script
+writes the reply stream in the same step as it acknowledges the entry: on a cluster a script may
+only touch keys of one hash slot, so the batch, its request stream and its reply streams must
+share one. Transactions (MULTI) here touch one batch's or one file's keys and the home indexes:
+one slot too.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 import protocol
-from protocol.keys import ACTIVE_BATCHES, FILE_INDEX, batch_index, batch_key, file_key
+from protocol.keys import Shard
 from protocol.request_groups import RequestGroups
 
 RETENTION_S = 30 * 86_400  # ended batches, their results and files are kept this long (OpenAI: 30 days)
@@ -69,6 +79,15 @@ if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2]) == 1 then
   redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
 end
 redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+RECORD_NEVER_RAN_LUA = r"""
+-- KEYS = [batch, inflight, results]; ARGV = [index, outcome JSON, outcome, index, ...]: items that never ran
+for i = 1, #ARGV, 3 do
+  if redis.call('HSETNX', KEYS[3], ARGV[i], ARGV[i + 1]) == 1 then redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1) end
+  redis.call('HDEL', KEYS[2], ARGV[i])
+end
 return 1
 """
 
@@ -182,10 +201,12 @@ class FileRecord:
 
 
 class BatchStore:
-    def __init__(self, redis: aioredis.Redis):
+    def __init__(self, redis: aioredis.Redis, home: Shard):
         self.redis = redis
+        self.home = home  # the shard of every key here (see the module's docstring)
         self._enqueue = redis.register_script(ENQUEUE_LUA)
         self._record = redis.register_script(RECORD_LUA)
+        self._record_never_ran = redis.register_script(RECORD_NEVER_RAN_LUA)
         self._cancel = redis.register_script(CANCEL_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
@@ -199,17 +220,17 @@ class BatchStore:
         created = int(time.time())
         record = {**{k: str(v) for k, v in fields.items()}, "bytes": str(len(data)), "created_at": str(created)}
         pipe = self.redis.pipeline(transaction=True)
-        pipe.set(file_key(file_id, "data"), data, ex=RETENTION_S)
-        pipe.hset(file_key(file_id), mapping=record)
-        pipe.expire(file_key(file_id), RETENTION_S)
-        pipe.zadd(FILE_INDEX, {file_id: created})
+        pipe.set(self.home.file_key(file_id, "data"), data, ex=RETENTION_S)
+        pipe.hset(self.home.file_key(file_id), mapping=record)
+        pipe.expire(self.home.file_key(file_id), RETENTION_S)
+        pipe.zadd(self.home.file_index, {file_id: created})
         await pipe.execute()
         return FileRecord(file_id, record)
 
     async def write_generated_file(self, file_id: str, fields: dict[str, Any], lines: AsyncIterator[bytes]) -> FileRecord:
         """A file the gateway writes (a batch's output) under a name it chose, appended about a MiB at a
         time; written whole again if it existed (a gateway that took over a batch mid-way)."""
-        data_key = file_key(file_id, "data")
+        data_key = self.home.file_key(file_id, "data")
         await self.redis.set(data_key, b"", ex=RETENTION_S)
         size, buffer = 0, bytearray()
         async for line in lines:
@@ -220,9 +241,9 @@ class BatchStore:
         created = int(time.time())
         record = {**{k: str(v) for k, v in fields.items()}, "bytes": str(size), "created_at": str(created)}
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(file_key(file_id), mapping=record)
-        pipe.expire(file_key(file_id), RETENTION_S)
-        pipe.zadd(FILE_INDEX, {file_id: created})
+        pipe.hset(self.home.file_key(file_id), mapping=record)
+        pipe.expire(self.home.file_key(file_id), RETENTION_S)
+        pipe.zadd(self.home.file_index, {file_id: created})
         await pipe.execute()
         return FileRecord(file_id, record)
 
@@ -234,11 +255,11 @@ class BatchStore:
         return size
 
     async def file(self, file_id: str) -> FileRecord | None:
-        raw = await self.redis.hgetall(file_key(file_id))
+        raw = await self.redis.hgetall(self.home.file_key(file_id))
         return FileRecord(file_id, {_text(k): _text(v) for k, v in raw.items()}) if raw else None
 
     async def file_chunks(self, file_id: str, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
-        key, start = file_key(file_id, "data"), 0
+        key, start = self.home.file_key(file_id, "data"), 0
         while True:
             chunk = await self.redis.getrange(key, start, start + chunk_bytes - 1)
             if not chunk:
@@ -247,17 +268,17 @@ class BatchStore:
             start += len(chunk)
 
     async def file_data(self, file_id: str) -> bytes:
-        return await self.redis.get(file_key(file_id, "data")) or b""
+        return await self.redis.get(self.home.file_key(file_id, "data")) or b""
 
     async def delete_file(self, file_id: str) -> bool:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(file_key(file_id), file_key(file_id, "data"))
-        pipe.zrem(FILE_INDEX, file_id)
+        pipe.delete(self.home.file_key(file_id), self.home.file_key(file_id, "data"))
+        pipe.zrem(self.home.file_index, file_id)
         deleted, _ = await pipe.execute()
         return bool(deleted)
 
     async def files(self, after: str | None, limit: int) -> tuple[list[FileRecord], bool]:
-        ids, has_more = await self._page(FILE_INDEX, after, None, limit)
+        ids, has_more = await self._page(self.home.file_index, after, None, limit)
         records = [await self.file(file_id) for file_id in ids]
         return [record for record in records if record is not None], has_more
 
@@ -268,78 +289,78 @@ class BatchStore:
         finds an active batch without its items."""
         batch_id = new_id(prefix)
         for start in range(0, len(items), CHUNK):
-            await self.redis.rpush(batch_key(batch_id, "items"), *items[start : start + CHUNK])
+            await self.redis.rpush(self.home.batch_key(batch_id, "items"), *items[start : start + CHUNK])
         now = time.time()
         record = {**{k: str(v) for k, v in fields.items() if v is not None}, "api": api, "created_at": repr(now), "total": str(len(items)), "next": "0"}
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(batch_key(batch_id), mapping=record)
-        pipe.zadd(batch_index(api), {batch_id: now})
-        pipe.sadd(ACTIVE_BATCHES, batch_id)
+        pipe.hset(self.home.batch_key(batch_id), mapping=record)
+        pipe.zadd(self.home.batch_index(api), {batch_id: now})
+        pipe.sadd(self.home.active_batches, batch_id)
         await pipe.execute()
         return Batch(batch_id, record)
 
     async def batch(self, batch_id: str, api: str | None = None) -> Batch | None:
-        raw = await self.redis.hgetall(batch_key(batch_id))
+        raw = await self.redis.hgetall(self.home.batch_key(batch_id))
         if not raw:
             return None
         batch = Batch.from_hash(batch_id, raw)
         return batch if api is None or batch.api == api else None
 
     async def batches(self, api: str, after: str | None, before: str | None, limit: int) -> tuple[list[Batch], bool]:
-        ids, has_more = await self._page(batch_index(api), after, before, limit)
+        ids, has_more = await self._page(self.home.batch_index(api), after, before, limit)
         found = []
         for batch_id in ids:
             batch = await self.batch(batch_id, api)
             if batch is None:  # expired: drop it from the index as we go
-                await self.redis.zrem(batch_index(api), batch_id)
+                await self.redis.zrem(self.home.batch_index(api), batch_id)
             else:
                 found.append(batch)
         return found, has_more
 
     async def update(self, batch_id: str, **fields: Any) -> None:
-        await self.redis.hset(batch_key(batch_id), mapping={k: str(v) for k, v in fields.items()})
+        await self.redis.hset(self.home.batch_key(batch_id), mapping={k: str(v) for k, v in fields.items()})
 
     async def cancel(self, batch_id: str) -> str:
         """Ask for cancellation; the batch's status afterwards."""
-        return _text(await self._cancel(keys=[batch_key(batch_id)], args=[repr(time.time())]))
+        return _text(await self._cancel(keys=[self.home.batch_key(batch_id)], args=[repr(time.time())]))
 
     async def delete_batch(self, batch: Batch) -> None:
         parts = ("", "items", "inflight", "results", "lease")
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(*(batch_key(batch.id, part) for part in parts))
-        pipe.zrem(batch_index(batch.api), batch.id)
-        pipe.srem(ACTIVE_BATCHES, batch.id)
+        pipe.delete(*(self.home.batch_key(batch.id, part) for part in parts))
+        pipe.zrem(self.home.batch_index(batch.api), batch.id)
+        pipe.srem(self.home.active_batches, batch.id)
         await pipe.execute()
 
     async def ended(self, batch_id: str, **fields: Any) -> None:
         """The batch's last status: off the active set, and kept for `RETENTION_S`."""
         pipe = self.redis.pipeline(transaction=True)
         if fields:
-            pipe.hset(batch_key(batch_id), mapping={k: str(v) for k, v in fields.items()})
-        pipe.srem(ACTIVE_BATCHES, batch_id)
+            pipe.hset(self.home.batch_key(batch_id), mapping={k: str(v) for k, v in fields.items()})
+        pipe.srem(self.home.active_batches, batch_id)
         for part in ("", "items", "results"):
-            pipe.expire(batch_key(batch_id, part), RETENTION_S)
-        pipe.delete(batch_key(batch_id, "inflight"))
+            pipe.expire(self.home.batch_key(batch_id, part), RETENTION_S)
+        pipe.delete(self.home.batch_key(batch_id, "inflight"))
         await pipe.execute()
 
     async def active(self) -> list[str]:
-        return sorted(_text(member) for member in await self.redis.smembers(ACTIVE_BATCHES))
+        return sorted(_text(member) for member in await self.redis.smembers(self.home.active_batches))
 
     async def items(self, batch_id: str, start: int, count: int) -> list[dict[str, Any]]:
-        return [json.loads(raw) for raw in await self.redis.lrange(batch_key(batch_id, "items"), start, start + count - 1)]
+        return [json.loads(raw) for raw in await self.redis.lrange(self.home.batch_key(batch_id, "items"), start, start + count - 1)]
 
     async def results(self, batch_id: str, total: int) -> AsyncIterator[tuple[int, dict[str, Any] | None]]:
         """(index, outcome or None) of every item, in input order."""
         for start in range(0, total, CHUNK):
             indices = list(range(start, min(total, start + CHUNK)))
-            raws = await self.redis.hmget(batch_key(batch_id, "results"), indices)
+            raws = await self.redis.hmget(self.home.batch_key(batch_id, "results"), indices)
             for index, raw in zip(indices, raws):
                 yield index, json.loads(raw) if raw else None
 
     # ------------------------------------------------------------ runs (runner.py)
 
     async def runs(self, batch_id: str) -> dict[int, Run]:
-        raw = await self.redis.hgetall(batch_key(batch_id, "inflight"))
+        raw = await self.redis.hgetall(self.home.batch_key(batch_id, "inflight"))
         runs = {}
         for index, value in raw.items():
             attempt, stream, entry_id = _text(value).split(" ")
@@ -350,7 +371,7 @@ class BatchStore:
         """XADD the item's request, recorded as in flight in the same script; None when refused
         (the lease or the item moved on: another gateway drives the batch now). `retries`: the
         attempt this one replaces, None for the item's first."""
-        stream = protocol.request_stream(request.model, request.priority)
+        stream = self.home.request_stream(request.model, request.priority)
         await self.groups.ensure(stream)
         entry_id = await self._enqueue_script(gateway_id, batch_id, index, stream, [attempt, request.encode(), "" if retries is None else str(retries)])
         return Run(attempt, stream, _text(entry_id)) if entry_id else None
@@ -360,13 +381,14 @@ class BatchStore:
         return bool(await self._enqueue_script(gateway_id, batch_id, index, "", [0, "", ""]))
 
     async def _enqueue_script(self, gateway_id: str, batch_id: str, index: int, stream: str, args: list[Any]) -> Any:
-        keys = [batch_key(batch_id), batch_key(batch_id, "inflight"), batch_key(batch_id, "lease"), stream or batch_key(batch_id)]
+        batch = self.home.batch_key
+        keys = [batch(batch_id), batch(batch_id, "inflight"), batch(batch_id, "lease"), stream or batch(batch_id)]
         return await self._enqueue(keys=keys, args=[gateway_id, index, *args])
 
     async def record(self, batch_id: str, index: int, outcome: dict[str, Any], attempt: int | None) -> bool:
         """Write the item's outcome unless one is written; False when a newer attempt runs the item."""
         usage = outcome.get("usage") or {}
-        keys = [batch_key(batch_id), batch_key(batch_id, "inflight"), batch_key(batch_id, "results")]
+        keys = self._record_keys(batch_id)
         args = [
             index, json.dumps(outcome, separators=(",", ":")), outcome["outcome"], "" if attempt is None else str(attempt),
             usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0),
@@ -374,13 +396,25 @@ class BatchStore:
         return bool(await self._record(keys=keys, args=args))
 
     async def record_many(self, batch_id: str, outcomes: list[tuple[int, dict[str, Any]]]) -> None:
-        """Outcomes of items that never ran (cancelled, expired), pipelined."""
-        keys = [batch_key(batch_id), batch_key(batch_id, "inflight"), batch_key(batch_id, "results")]
+        """Outcomes of items that never ran (cancelled, expired), `CHUNK` to a script call (a cluster's
+        pipeline refuses scripts, so they are not pipelined)."""
+        keys = self._record_keys(batch_id)
         for start in range(0, len(outcomes), CHUNK):
-            pipe = self.redis.pipeline(transaction=False)
-            for index, outcome in outcomes[start : start + CHUNK]:
-                await self._record(keys=keys, args=[index, json.dumps(outcome), outcome["outcome"], "", 0, 0, 0], client=pipe)
-            await pipe.execute()
+            args = [arg for index, outcome in outcomes[start : start + CHUNK] for arg in (index, json.dumps(outcome), outcome["outcome"])]
+            await self._record_never_ran(keys=keys, args=args)
+
+    def _record_keys(self, batch_id: str) -> list[str]:
+        return [self.home.batch_key(batch_id), self.home.batch_key(batch_id, "inflight"), self.home.batch_key(batch_id, "results")]
+
+    def reply_stream(self, batch_id: str, index: int, attempt: int) -> str:
+        """Where the run `attempt` of item `index` gets its events (the worker's step script writes it)."""
+        return self.home.batch_reply_stream(batch_id, index, attempt)
+
+    async def withdraw(self, run: Run, request_id: str) -> None:
+        """Take a run back: deleted if no worker read it, cancelled if one runs it (as a gateway withdraws).
+        Two commands, not a pipeline: a cluster's pipeline refuses PUBLISH."""
+        await self.redis.xdel(run.stream, run.entry_id)
+        await self.redis.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(request_id))
 
     async def gone(self, runs: list[Run]) -> list[bool]:
         """For each run: its entry is neither in its stream nor pending (see GONE_LUA)."""
@@ -392,13 +426,13 @@ class BatchStore:
     # ------------------------------------------------------------ leases
 
     async def take_lease(self, batch_id: str, gateway_id: str, ms: int) -> bool:
-        return bool(await self.redis.set(batch_key(batch_id, "lease"), gateway_id, nx=True, px=ms))
+        return bool(await self.redis.set(self.home.batch_key(batch_id, "lease"), gateway_id, nx=True, px=ms))
 
     async def renew_lease(self, batch_id: str, gateway_id: str, ms: int) -> bool:
-        return bool(await self._renew(keys=[batch_key(batch_id, "lease")], args=[gateway_id, ms]))
+        return bool(await self._renew(keys=[self.home.batch_key(batch_id, "lease")], args=[gateway_id, ms]))
 
     async def release_lease(self, batch_id: str, gateway_id: str) -> None:
-        await self._release(keys=[batch_key(batch_id, "lease")], args=[gateway_id])
+        await self._release(keys=[self.home.batch_key(batch_id, "lease")], args=[gateway_id])
 
     # ------------------------------------------------------------ helpers
 
