@@ -132,10 +132,9 @@ class EmbeddedRedis:
         args = [
             self.server or find_redis_server(),
             *listen,
+            *self._options(),
             "--dir", str(self.data_dir),
             "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.appendfsync,
             "--daemonize", "no",
             "--loglevel", "warning",
             "--logfile", str(self.log_path),
@@ -151,6 +150,10 @@ class EmbeddedRedis:
         )
         self._wait_ready(timeout)
         return self
+
+    def _options(self) -> list[str]:
+        """Server options beyond where it listens, keeps its files and logs (a cluster node adds its own)."""
+        return ["--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync]
 
     def _wait_ready(self, timeout: float) -> None:
         import redis
