@@ -2,6 +2,7 @@
 
     python bench/redis_saturation.py --gateways 2 --workers 2 --streams 16,64,256 --max-tokens 128 \\
         --json bench/results/redis_saturation.json
+    python bench/redis_saturation.py --cluster 3 --shards 6 ...   # the same on a 3-primary Redis Cluster
 
 Starts an embedded Redis, N `lmq gateway` processes and M workers whose model answers at once
 (bench/stub_services.py), so that no model cost hides the queue's. Each level runs
@@ -16,6 +17,14 @@ Redis becomes the limit where its utilisation nears one core, or where tokens/s 
 the gateways and workers still have headroom. On a machine whose few cores everything shares, the
 client and gateways usually fill the cores first; then the figure that carries over to a bigger
 machine is Redis's CPU per 10k tokens: one Redis core carries about 10k ÷ that many tokens/s.
+
+With `--cluster P` the Redis is an embedded cluster of P primaries and K = `--shards` request
+shards (default 2P). Its figures are sums over the nodes (CPU seconds, commandstats), so they
+compare with one Redis's directly: what the cluster costs in all per token. A cluster is full when
+its busiest node is, not when the mean one is, so each level also reports every node's CPU share
+and EVALSHA calls, and the busiest node's utilisation decides `limit`. A worker writes each step
+with one script call per shard the step touches, so on a cluster the calls per token rise and with
+them the fixed per-call cost; that, not the per-token cost, is what sharding adds.
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens streamed per request")
     parser.add_argument("--kv-memory", default="2GiB", help="each stub worker's KV budget (pages are allocated as usual)")
     parser.add_argument("--level-timeout", type=float, default=300.0, help="seconds a level may take; the rest count as errors")
+    parser.add_argument("--cluster", type=int, default=0, metavar="P", help="P primaries of an embedded Redis Cluster (0: one Redis)")
+    parser.add_argument("--shards", type=int, metavar="K", help="request shards on the cluster (default 2×P)")
     parser.add_argument("--logs", type=Path, default=Path("bench/results/logs"))
     parser.add_argument("--json", type=Path)
     return parser
@@ -73,26 +84,42 @@ class RoundRobin:
 
 
 class RedisCommandStats:
-    """INFO commandstats of the benchmark's own Redis, reset at the start of each level."""
+    """INFO commandstats of each of the benchmark's Redis servers (one, or a cluster's primaries),
+    reset at the start of each level. Each node is asked alone: a node counts only what it ran."""
 
-    def __init__(self, url: str):
+    def __init__(self, node_urls: list[str]):
         import redis
 
-        self.client = redis.Redis.from_url(url)
+        self.clients = [redis.Redis.from_url(url) for url in node_urls]
 
     def reset(self) -> None:
-        self.client.config_resetstat()
+        for client in self.clients:
+            client.config_resetstat()
 
-    def read(self) -> dict[str, dict[str, int]]:
-        """{command: {"calls", "usec"}}; commands that a script calls are counted too (and inside its time)."""
-        stats = self.client.info("commandstats")
-        return {
-            name.removeprefix("cmdstat_"): {"calls": int(values["calls"]), "usec": int(values["usec"])}
-            for name, values in stats.items()
-        }
+    def read(self) -> list[dict[str, dict[str, int]]]:
+        """Per node, {command: {"calls", "usec"}}; commands that a script calls are counted too (and inside its time)."""
+        return [
+            {
+                name.removeprefix("cmdstat_"): {"calls": int(values["calls"]), "usec": int(values["usec"])}
+                for name, values in client.info("commandstats").items()
+            }
+            for client in self.clients
+        ]
 
     def close(self) -> None:
-        self.client.close()
+        for client in self.clients:
+            client.close()
+
+
+def summed(per_node: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """The nodes' commandstats added up, command by command."""
+    total: dict[str, dict[str, int]] = {}
+    for commands in per_node:
+        for name, values in commands.items():
+            entry = total.setdefault(name, {"calls": 0, "usec": 0})
+            entry["calls"] += values["calls"]
+            entry["usec"] += values["usec"]
+    return total
 
 
 def machine_busy_seconds() -> float:
@@ -103,12 +130,17 @@ def machine_busy_seconds() -> float:
 
 
 def level_figures(summary: dict, cpu_s: dict[str, float], commands: dict[str, dict[str, int]],
-                  gateways: int, workers: int, cores_busy: float) -> dict:  # fmt: skip
-    """A level's summary (bench/stats.py) with the CPU figures derived from the measured seconds."""
+                  gateways: int, workers: int, cores_busy: float,
+                  nodes: list[tuple[float, dict]] | None = None) -> dict:  # fmt: skip
+    """A level's summary (bench/stats.py) with the CPU figures derived from the measured seconds.
+
+    `cpu_s["redis"]` and `commands` are sums over the Redis nodes; `nodes` has each node's
+    (CPU seconds, commandstats), by default the one Redis that had them all."""
     wall = max(summary["wall_s"], 1e-9)
     tokens = summary["output_tokens"]
     per_tokens = TOKENS_UNIT / tokens if tokens else None
-    processes = {"redis": 1, "gateway": gateways, "worker": workers, "client": 1}
+    nodes = nodes if nodes is not None else [(cpu_s["redis"], commands)]
+    processes = {"redis": len(nodes), "gateway": gateways, "worker": workers, "client": 1}
     level = dict(summary)
     level["cpu_s"] = cpu_s
     level["utilisation"] = {name: cpu_s[name] / wall / processes[name] for name in COMPONENTS}
@@ -126,8 +158,26 @@ def level_figures(summary: dict, cpu_s: dict[str, float], commands: dict[str, di
         }
         for name, values in ranked
     ]
-    level["limit"] = limit(level["utilisation"], cores_busy, os.cpu_count() or 1)
+    level["redis_nodes"] = node_figures(nodes, wall)
+    level["redis_max_node_utilisation"] = max(node["utilisation"] for node in level["redis_nodes"])
+    busiest_redis = level["utilisation"] | {"redis": level["redis_max_node_utilisation"]}
+    level["limit"] = limit(busiest_redis, cores_busy, os.cpu_count() or 1)
     return level
+
+
+def node_figures(nodes: list[tuple[float, dict]], wall: float) -> list[dict]:
+    """Per Redis node: its CPU seconds, utilisation, share of all the nodes' CPU, and EVALSHA calls
+    (how many step-script calls the shards it serves received)."""
+    total = sum(cpu for cpu, _ in nodes)
+    return [
+        {
+            "cpu_s": cpu,
+            "utilisation": cpu / wall,
+            "cpu_share": cpu / total if total > 0 else None,
+            "evalsha_calls": commands.get("evalsha", {}).get("calls", 0),
+        }
+        for cpu, commands in nodes
+    ]
 
 
 def limit(utilisation: dict[str, float], cores_busy: float, cores: int) -> str:
@@ -140,8 +190,22 @@ def limit(utilisation: dict[str, float], cores_busy: float, cores: int) -> str:
     return "none measured (latency-bound)"
 
 
+async def measured_level(services: StubServices, stats: RedisCommandStats, spread: RoundRobin,
+                         bodies: list[dict], streams: int, args: argparse.Namespace) -> dict:  # fmt: skip
+    """One level's requests, and what they cost: every process's CPU seconds, each Redis node's, and its commands."""
+    stats.reset()
+    cpu_before, nodes_before, busy_before = services.cpu(), services.redis_node_cpu(), machine_busy_seconds()
+    results, wall = await run_level(spread, bodies, streams, args.level_timeout)
+    cpu_after, nodes_after = services.cpu(), services.redis_node_cpu()
+    busy = (machine_busy_seconds() - busy_before) / max(wall, 1e-9)
+    cpu_s = {name: cpu_after[name] - cpu_before[name] for name in COMPONENTS}
+    per_node = stats.read()
+    nodes = [(after - before, commands) for before, after, commands in zip(nodes_before, nodes_after, per_node)]
+    return level_figures(summarize(streams, results, wall), cpu_s, summed(per_node), args.gateways, args.workers, busy, nodes)
+
+
 async def measured_levels(services: StubServices, args: argparse.Namespace) -> list[dict]:
-    stats = RedisCommandStats(services.redis.url)
+    stats = RedisCommandStats([node.url for node in services.redis_nodes])
     levels = []
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
@@ -158,12 +222,7 @@ async def measured_levels(services: StubServices, args: argparse.Namespace) -> l
             await run_level(spread, [body(4) for _ in range(2 * len(clients))], len(clients), args.level_timeout)  # warm-up
             for streams in args.streams:
                 bodies = [body(args.max_tokens) for _ in range(streams * args.requests_per_stream)]
-                stats.reset()
-                cpu_before, busy_before = services.cpu(), machine_busy_seconds()
-                results, wall = await run_level(spread, bodies, streams, args.level_timeout)
-                cpu_after, busy = services.cpu(), (machine_busy_seconds() - busy_before) / max(wall, 1e-9)
-                cpu_s = {name: cpu_after[name] - cpu_before[name] for name in COMPONENTS}
-                level = level_figures(summarize(streams, results, wall), cpu_s, stats.read(), args.gateways, args.workers, busy)
+                level = await measured_level(services, stats, spread, bodies, streams, args)
                 levels.append(level)
                 print(level_row(level), file=sys.stderr, flush=True)
     finally:
@@ -201,23 +260,37 @@ def commands_line(level: dict) -> str:
     return f"{level['concurrency']:>7} streams, Redis command time per 10k tokens: " + ", ".join(parts)
 
 
+def nodes_line(level: dict) -> str:
+    nodes = level["redis_nodes"]
+    shares = " ".join(f"{_num(None if n['cpu_share'] is None else n['cpu_share'] * 100)}%" for n in nodes)
+    calls = " ".join(str(n["evalsha_calls"]) for n in nodes)
+    return (f"{level['concurrency']:>7} streams, Redis nodes: busiest at {level['redis_max_node_utilisation']:.2f} of a core;"
+            f" CPU shares {shares}; EVALSHA calls {calls}")  # fmt: skip
+
+
 def text_report(report: dict) -> str:
     levels = report["levels"]
     lines = [HEADER, *(level_row(level) for level in levels), ""]
     lines += [commands_line(level) for level in levels]
     lines += ["(a script's time, EVALSHA's, includes that of the commands it calls, which are listed as well)"]
+    if report["redis_layout"]["nodes"] > 1:
+        lines += ["", *(nodes_line(level) for level in levels)]
+        lines += ["(Redis's CPU seconds and commands above are sums over the nodes, its utilisation their mean)"]
     lines += ["", *(f"{level['concurrency']:>7} streams, limit: {level['limit']}" for level in levels)]
     return "\n".join(lines)
 
 
 async def run(args: argparse.Namespace) -> dict:
-    with StubServices(args.kv_memory, args.logs, args.gateways, args.workers, log_prefix="saturation") as services:
-        redis_server = f"{services.redis.name} {services.redis.version}"
+    with StubServices(args.kv_memory, args.logs, args.gateways, args.workers, log_prefix="saturation",
+                      cluster=args.cluster, shards=args.shards) as services:  # fmt: skip
+        redis_server = services.redis_server
+        layout = {"nodes": len(services.redis_nodes), "shards": len(services.layout.shards), "cluster": bool(args.cluster)}
         levels = await measured_levels(services, args)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cores": os.cpu_count()},
         "redis_server": redis_server,
+        "redis_layout": layout,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "levels": levels,
     }
@@ -234,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.gateways, args.workers, args.requests_per_stream, args.max_tokens) < 1:
         parser.error("--gateways, --workers, --requests-per-stream and --max-tokens must be at least 1")
+    if args.cluster < 0 or (args.shards is not None and (not args.cluster or args.shards < 1)):
+        parser.error("--cluster is 0 (one Redis) or more primaries; --shards, at least 1, only with --cluster")
     print(HEADER, file=sys.stderr, flush=True)
     report = asyncio.run(run(args)) | {"command": " ".join(["python", "bench/redis_saturation.py", *argv])}
     print(text_report(report))

@@ -1,9 +1,14 @@
-"""The queue without a model: an embedded Redis, N `lmq gateway` processes and M stub worker processes.
+"""The queue without a model: an embedded Redis (or Redis Cluster), N `lmq gateway` processes and M
+stub worker processes.
 
-Shared by bench/queue_overhead.py (one of each) and bench/redis_saturation.py (N and M of choice).
-The workers run bench/stub_worker.py, whose model answers at once, so every CPU second measured is
-the plumbing's: HTTP and SSE in the gateways, scheduling, sampling, detokenization and the step
-script in the workers, streams, scripts and pub/sub in Redis.
+Shared by bench/queue_overhead.py (one of each) and bench/redis_saturation.py (N and M of choice,
+one Redis or a cluster of P primaries). The workers run bench/stub_worker.py, whose model answers
+at once, so every CPU second measured is the plumbing's: HTTP and SSE in the gateways, scheduling,
+sampling, detokenization and the step script in the workers, streams, scripts and pub/sub in Redis.
+
+A cluster is only a different `REDIS_URL` to the gateways and workers. What reads Redis here must
+see every server, so it goes through `redis_nodes` (the one Redis, or each primary) and the key
+layout of that URL (`layout`: heartbeats live under the home shard's prefix).
 """
 
 from __future__ import annotations
@@ -12,14 +17,20 @@ import time
 from pathlib import Path
 
 from bench import processes
+from lmq.redis_cluster import EmbeddedCluster
 from lmq.redis_server import EmbeddedRedis, free_tcp_port
-from protocol.keys import WORKER_KEY_PREFIX
+from protocol.cluster_url import shard_layout
+from protocol.keys import ShardLayout
+from protocol.redis_client import connect_sync
 
 STUB_MAX_SEQS = 256
 
 
 class StubServices:
-    """Start with `with StubServices(...) as services:`; `urls` are the gateways' …/v1 base URLs."""
+    """Start with `with StubServices(...) as services:`; `urls` are the gateways' …/v1 base URLs.
+
+    `cluster` > 0 runs an EmbeddedCluster of that many primaries with `shards` request shards
+    (default two per primary) in place of the one embedded Redis."""
 
     def __init__(
         self,
@@ -29,10 +40,12 @@ class StubServices:
         workers: int = 1,
         log_prefix: str = "overhead",
         max_seqs: int = STUB_MAX_SEQS,
+        cluster: int = 0,
+        shards: int | None = None,
     ):
         if gateways < 1 or workers < 1:
             raise ValueError("at least one gateway and one worker")
-        self.redis = EmbeddedRedis()
+        self.redis = EmbeddedCluster(cluster, shards or 2 * cluster) if cluster else EmbeddedRedis()
         self.kv_memory = kv_memory
         self.logs = logs
         self.log_prefix = log_prefix
@@ -50,6 +63,25 @@ class StubServices:
     def url(self) -> str:
         return self.urls[0]
 
+    @property
+    def redis_url(self) -> str:
+        return self.redis.url
+
+    @property
+    def redis_nodes(self) -> list[EmbeddedRedis]:
+        """Every Redis server process: the one Redis, or each primary of the cluster."""
+        return self.redis.nodes if isinstance(self.redis, EmbeddedCluster) else [self.redis]
+
+    @property
+    def redis_server(self) -> str:
+        """What answers, e.g. "valkey 9.1.2" (a cluster's nodes all run one binary)."""
+        node = self.redis_nodes[0]
+        return f"{node.name} {node.version}"
+
+    @property
+    def layout(self) -> ShardLayout:
+        return shard_layout(self.redis_url)
+
     def __enter__(self) -> "StubServices":
         try:
             self._start()
@@ -60,7 +92,7 @@ class StubServices:
 
     def _start(self) -> None:
         self.redis.start()
-        redis_url = self.redis.url
+        redis_url = self.redis_url
         for i, port in enumerate(self.ports):
             self.gateways.append(processes.start(
                 processes.python_command("-m", "lmq", "gateway", "--port", str(port), "--redis-url", redis_url, "--max-queue", "4096"),
@@ -79,12 +111,11 @@ class StubServices:
 
     def _wait_for_workers(self, watched: list, timeout_s: float) -> None:
         """Until every worker has a heartbeat (a gateway is ready as soon as the first one has)."""
-        import redis
-
-        client = redis.Redis.from_url(self.redis.url)
+        client = connect_sync(self.redis_url)
+        pattern = f"{self.layout.home.worker_key_prefix}*"
         deadline = time.monotonic() + timeout_s
         try:
-            while len(list(client.scan_iter(match=f"{WORKER_KEY_PREFIX}*"))) < self.worker_count:
+            while len(list(client.scan_iter(match=pattern))) < self.worker_count:
                 for process in watched:
                     if process.poll() is not None:
                         raise RuntimeError(f"{process.args[:4]} exited with {process.returncode} at start")
@@ -100,10 +131,15 @@ class StubServices:
         self.redis.stop()
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds so far: Redis, all gateways together, all workers together, and this (client) process."""
+        """CPU seconds so far: Redis (all its nodes), all gateways together, all workers together,
+        and this (client) process."""
         return {
             "gateway": sum(processes.cpu_seconds(p.pid) for p in self.gateways),
             "worker": sum(processes.cpu_seconds(p.pid) for p in self.workers),
-            "redis": processes.cpu_seconds(self.redis.process.pid),
+            "redis": sum(self.redis_node_cpu()),
             "client": time.process_time(),
         }
+
+    def redis_node_cpu(self) -> list[float]:
+        """CPU seconds so far of each Redis server process, in the order of `redis_nodes`."""
+        return [processes.cpu_seconds(node.process.pid) for node in self.redis_nodes]

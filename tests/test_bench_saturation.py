@@ -2,7 +2,9 @@
 
 The real run starts an embedded Redis, one `lmq gateway` process and one stub worker (the default
 model's tokenizer with a transformer that answers at once), streams 4 requests of 4 tokens, and reads
-the report it writes. No figure is asserted beyond what the run must produce.
+the report it writes. No figure is asserted beyond what the run must produce. The cluster run does
+the same on three primaries with six request shards: with enough requests, each primary's shards
+get some, so each primary runs some of the workers' step scripts.
 """
 
 from __future__ import annotations
@@ -48,6 +50,22 @@ def test_limit_names_the_full_machine_first_then_the_busiest_process():
     assert redis_saturation.limit(idle, cores_busy=3.0, cores=8).startswith("none")
 
 
+def test_cluster_nodes_get_shares_and_the_busiest_node_decides_the_limit():
+    summary = summarize(4, [RequestResult(start=0.0, first_token=0.1, end=2.0, output_tokens=2500) for _ in range(4)], wall_s=2.0)
+    cpu_s = {"redis": 2.4, "gateway": 0.2, "worker": 0.2, "client": 0.2}
+    per_node = [{"evalsha": {"calls": 50, "usec": 9_000}, "publish": {"calls": 10, "usec": 100}}, {"evalsha": {"calls": 30, "usec": 4_000}}, {}]
+    nodes = [(1.9, per_node[0]), (0.4, per_node[1]), (0.1, per_node[2])]
+    commands = redis_saturation.summed(per_node)
+    level = redis_saturation.level_figures(summary, cpu_s, commands, gateways=1, workers=1, cores_busy=1.0, nodes=nodes)
+
+    assert commands == {"evalsha": {"calls": 80, "usec": 13_000}, "publish": {"calls": 10, "usec": 100}}
+    assert level["utilisation"]["redis"] == pytest.approx(0.4), "the mean over the three nodes"
+    assert [n["cpu_share"] for n in level["redis_nodes"]] == pytest.approx([1.9 / 2.4, 0.4 / 2.4, 0.1 / 2.4])
+    assert [n["evalsha_calls"] for n in level["redis_nodes"]] == [50, 30, 0]
+    assert level["redis_max_node_utilisation"] == pytest.approx(0.95)
+    assert level["limit"].startswith("redis (0.95"), "one full node fills the cluster though the mean is 0.4"
+
+
 async def test_round_robin_spreads_requests_over_the_gateways():
     class Gateway:
         def __init__(self):
@@ -65,7 +83,9 @@ async def test_round_robin_spreads_requests_over_the_gateways():
 
 
 def test_bad_arguments_are_rejected():
-    for bad in (["--gateways", "0"], ["--workers", "0"], ["--streams", "0,4"], ["--max-tokens", "0"]):
+    bad_arguments = (["--gateways", "0"], ["--workers", "0"], ["--streams", "0,4"], ["--max-tokens", "0"],
+                     ["--cluster", "-1"], ["--shards", "4"], ["--cluster", "3", "--shards", "0"])  # fmt: skip
+    for bad in bad_arguments:
         with pytest.raises(SystemExit):
             redis_saturation.main(bad)
 
@@ -86,3 +106,25 @@ def test_the_smallest_real_run_reports_every_figure(tmp_path):
     assert commands["xadd"]["calls"] >= 4, "each request was appended to the request stream"
     assert report["redis_server"] and report["command"].startswith("python bench/redis_saturation.py")
     assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == ["saturation-gateway-0.log", "saturation-worker-0.log"]
+
+
+@pytest.mark.slow
+def test_a_cluster_run_reports_every_node_and_spreads_the_step_scripts_over_all_primaries(tmp_path):
+    out = tmp_path / "saturation.json"
+    args = ["--cluster", "3", "--shards", "6", "--gateways", "1", "--workers", "1", "--streams", "6", "--requests-per-stream", "4",
+            "--max-tokens", "4", "--kv-memory", "64MiB", "--level-timeout", "120", "--logs", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+    assert redis_saturation.main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["redis_layout"] == {"nodes": 3, "shards": 6, "cluster": True}
+    [level] = report["levels"]
+    assert (level["completed"], level["errors"], level["output_tokens"]) == (24, 0, 96)
+    nodes = level["redis_nodes"]
+    assert len(nodes) == 3 and all(set(node) == {"cpu_s", "utilisation", "cpu_share", "evalsha_calls"} for node in nodes)
+    if level["cpu_s"]["redis"] > 0:  # CPU time is counted in clock ticks (10 ms): a short level may show none
+        assert sum(node["cpu_share"] for node in nodes) == pytest.approx(1.0)
+    assert level["redis_max_node_utilisation"] == max(node["utilisation"] for node in nodes)
+    assert all(node["evalsha_calls"] > 0 for node in nodes), f"24 requests over 6 shards reach every primary: {nodes}"
+    commands = {c["command"]: c for c in level["redis_commands"]}
+    assert commands["evalsha"]["calls"] == sum(node["evalsha_calls"] for node in nodes), "the commandstats are summed over the nodes"
+    assert commands["xadd"]["calls"] >= 24, "each request was appended to its shard's request stream"
+    assert report["redis_server"].startswith("valkey")
