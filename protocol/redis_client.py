@@ -29,15 +29,16 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, RedisClusterException, RedisError, TimeoutError
+from redis.exceptions import ClusterDownError, ConnectionError, RedisClusterException, RedisError, TimeoutError
 
 from .cluster_url import is_cluster_url, parse_cluster_url
 from .sentinel_url import SentinelAddress, is_sentinel_url, parse_sentinel_url
 
 # What a command may raise when Redis fails: redis-py's errors, and, from a cluster client that
-# reaches no node, RedisClusterException (which is not a RedisError).
+# reaches no node, RedisClusterException (which is not a RedisError). A cluster with a primary
+# down refuses every command (CLUSTERDOWN) until it is back: unreachable too, not a refusal.
 REDIS_FAILURES = (RedisError, RedisClusterException)
-UNREACHABLE = (ConnectionError, TimeoutError, RedisClusterException)
+UNREACHABLE = (ConnectionError, TimeoutError, RedisClusterException, ClusterDownError)
 
 MAX_CONNECTIONS = 100
 MAX_CLUSTER_CONNECTIONS = 1000  # per node
@@ -87,9 +88,22 @@ async def pubsub(client: aioredis.Redis) -> aioredis.client.PubSub:
     return client.pubsub()
 
 
+class _RedisCluster(RedisCluster):
+    """redis-py's cluster client, whose commands fail with a ConnectionError when their connection
+    was closed under them: on a node's connection error redis-py 8.1 disconnects that node's
+    connections, including those other tasks are using, and their commands then raise
+    AttributeError (a writer that is None) instead."""
+
+    async def execute_command(self, *args, **kwargs):
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except AttributeError as exc:
+            raise ConnectionError(f"the connection was closed under the command ({exc})") from exc
+
+
 def _cluster(url: str) -> RedisCluster:
     address = parse_cluster_url(url)
-    return RedisCluster(
+    return _RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
         username=address.username,
         password=address.password,

@@ -42,6 +42,7 @@ from fault_support import (
     delta_tokens,
     eventually,
     foreign_request,
+    stream_all,
 )
 from lmq.redis_cluster import EmbeddedCluster
 from protocol.keys import sharded
@@ -344,3 +345,44 @@ def _events_end(stack: ClusterStack, key: str) -> bool:
         return any(protocol.decode_map(fields[b"msg"]).get("type") in TERMINAL for _, fields in stack.admin.xrange(key))
     except redis.RedisError:
         return False
+
+
+# ---------------------------------------------------------------- a primary SIGKILLed mid-stream
+
+
+async def test_primary_killed_mid_stream_streams_end_exactly_or_visibly_and_the_cluster_serves_again(tmp_path, tiny_model_dir, pool):
+    """A primary without a replica dies while four streams run, and comes back (empty: no
+    persistence) a few seconds later. The cluster refuses every command meanwhile (its slots are
+    down); what a client sees must be what a Redis restart gives it: its exact text or a visible
+    error, never a hang. Then fresh requests get exact answers and nothing is left pending."""
+    with EmbeddedCluster(primaries=3, shards=SHARDS, root=tmp_path / "cluster", node_timeout_ms=1000) as cluster:
+        stack = ClusterStack(cluster, StackSpec("cluster-fault", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir)
+        try:
+            await stack.prepare()
+            expected = pool.take(4)
+            async with client_session() as session:
+                streams = [ChatStream(stack.urls[0], prompt) for prompt in expected]
+                tasks = [asyncio.create_task(stream.run(session)) for stream in streams]
+                try:
+                    await _streaming(stack, streams, tasks, chunks=3)
+                    victim = cluster.node_of(stack.layout.for_request(streams[0].request_id).request_stream(MODEL))
+                    cluster.kill(victim)
+                    await asyncio.sleep(3)  # the other primaries mark it failed: the whole cluster refuses
+                    cluster.revive(victim)
+                finally:
+                    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), CLIENT_TIMEOUT_S + 10)
+            context = f"killed primary {victim}\n{stack.log_tails()}"
+            outcomes = [stream.assert_exact_or_visible_error(expected[stream.prompt].text, context) for stream in streams]
+            print(f"in-flight streams across the primary's death: {outcomes}")
+
+            stack.assert_alive()
+            await stack.wait_ready(timeout=30)
+            fresh = pool.take(4)
+            async with client_session() as session:
+                after = await stream_all(session, [ChatStream(stack.urls[0], prompt) for prompt in fresh])
+            problems = [f"after the revival: {stream.describe()}" for stream in after if not stream.is_exact(fresh[stream.prompt].text)]
+            assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
+            await eventually(lambda: stack.waiting() == 0 and not stack.pending(), "every shard's stream empty, nothing pending", 5 * CLAIM_S + 10, stack)
+            stack.assert_alive()
+        finally:
+            stack.close()
