@@ -14,6 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import protocol
 from protocol.cluster_url import shard_layout
+from protocol.keys import ShardLayout
 from protocol.redis_client import connect
 
 from . import anthropic, openai, status, tokenize
@@ -29,6 +30,7 @@ from .metrics import Metrics, metrics_middleware
 from .queue import RequestQueue
 from .rate_limits import RateLimiter, load_limits, setup_rate_limits
 from .replies import ReplyRouter
+from .sharded_replies import ShardedReplyRouter
 from .workers import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -55,13 +57,20 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     return error_response(api_of(request), failure)
 
 
+def reply_router(redis, shards: ShardLayout, gateway_id: str) -> ReplyRouter:
+    """One plain pub/sub channel on one Redis; one sharded channel per shard on a cluster."""
+    if shards.home.tag is None:
+        return ReplyRouter(redis, protocol.gateway_reply_channel(gateway_id))
+    return ShardedReplyRouter(redis, shards, gateway_id)
+
+
 def create_app(config: GatewayConfig) -> web.Application:
     redis = connect(config.redis_url)
     shards = shard_layout(config.redis_url)
     gateway = Gateway(
         config=config,
         redis=redis,
-        replies=ReplyRouter(redis, protocol.gateway_reply_channel(config.gateway_id)),
+        replies=reply_router(redis, shards, config.gateway_id),
         queue=RequestQueue(redis, shards, config.max_queue, config.retry_after),
         models=ModelRegistry(redis, shards.home),
         metrics=Metrics(),

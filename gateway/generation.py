@@ -68,7 +68,7 @@ def new_request(gateway: Gateway, request_id: str, model: str, sampling: protoco
     request = protocol.Request(
         id=request_id,
         model=model,
-        reply=protocol.Reply(kind="pubsub", key=gateway.replies.channel),
+        reply=gateway.replies.reply_for(request_id),
         sampling=sampling,
         deadline=time.time() + gateway.config.request_timeout,
         announce=True,

@@ -52,6 +52,10 @@ class ReplyRouter:
         if self._pubsub:
             await self._pubsub.aclose()
 
+    def reply_for(self, request_id: str) -> protocol.Reply:
+        """Where workers send the events of request `request_id`."""
+        return protocol.Reply("pubsub", self.channel)
+
     def open(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
         """The queue that will receive the request's events."""
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()

@@ -163,6 +163,23 @@ async def test_openai_sdk_answers_arrive_whole_and_each_request_lands_in_its_sha
     await eventually(lambda: stack.clean(), "every shard's stream empty, nothing pending", 10, stack)
 
 
+async def test_the_gateway_listens_on_one_sharded_channel_per_shard_on_the_primary_serving_it(ready, cluster):
+    """Replies are SPUBLISHed within each shard's slot (kind `spubsub`), not broadcast to every node:
+    the gateway holds one sharded subscription per shard, each on the node that serves its slot."""
+    stack = ready
+    heard: dict[int, set[str]] = {}
+    for index, node in enumerate(cluster.nodes):
+        with node.client(decode_responses=True) as client:
+            heard[index] = set(client.execute_command("PUBSUB", "SHARDCHANNELS", "lmq:*"))
+            assert not [channel for channel in client.execute_command("PUBSUB", "CHANNELS", "lmq:reply:*")], "a plain reply channel"
+    channels = {channel for node_channels in heard.values() for channel in node_channels}
+    assert len(channels) == SHARDS * len(stack.gateways), heard
+    for shard in stack.layout.shards:
+        mine = [channel for channel in channels if channel.startswith(shard.key("reply:"))]
+        assert len(mine) == len(stack.gateways), (shard, heard)
+        assert all(channel in heard[cluster.node_of(channel)] for channel in mine), heard
+
+
 async def test_the_request_path_is_spread_over_every_primary_with_no_untagged_key(ready, cluster):
     stack = ready
     layout = stack.layout

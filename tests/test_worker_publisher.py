@@ -203,3 +203,21 @@ async def test_a_step_over_shards_writes_each_shard_with_its_own_keys(redis_clie
             assert len(await redis_client.keys(lane.shard.key("applied:w1:*"))) == 1
     finally:
         task.cancel()
+
+
+async def test_a_sharded_pubsub_reply_is_spublished(publisher, redis_client):
+    """Reply kind `spubsub`: the step's events for the channel in one SPUBLISH, heard by SSUBSCRIBE (Redis 7+)."""
+    if int((await redis_client.info("server"))["redis_version"].split(".")[0]) < 7:
+        pytest.skip("sharded pub/sub needs Redis 7")
+    pubsub = redis_client.pubsub()
+    await pubsub.ssubscribe("lmq:reply:s1")
+    assert (await pubsub.get_message(timeout=WAIT_S))["type"] == "ssubscribe"
+    plain = await subscribed(redis_client, "lmq:reply:s1")
+    publisher.send("1-1", Reply("spubsub", "lmq:reply:s1"), delta_event("a", 0, "Hi", [1], 0))
+    publisher.send("1-2", Reply("spubsub", "lmq:reply:s1"), delta_event("b", 0, "Yo", [2], 0))
+    await publisher.flush()
+    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=WAIT_S)
+    assert message["type"] == "smessage" and [e["id"] for e in decode_event_batch(message["data"])] == ["a", "b"]
+    assert await plain.get_message(ignore_subscribe_messages=True, timeout=0.2) is None  # not a plain PUBLISH
+    await pubsub.aclose()
+    await plain.aclose()

@@ -272,9 +272,9 @@ class Worker:
             self.table.reject(entry.entry_id, raw, exc.code, exc.message, request_id=exc.request_id, reply=exc.reply)
             return
         shard = self.stream.lane_of(entry.entry_id).shard
-        if request.reply.kind == "stream" and not shard.holds(request.reply.key):
+        if request.reply.kind != "pubsub" and not shard.holds(request.reply.key):
             # A script may write any key its node holds, so without this check where the slots lie would decide.
-            message = f"the reply stream {request.reply.key!r} is outside the request's shard: on a Redis Cluster it carries the shard's hash tag {{{shard.tag}}}"
+            message = f"the reply {request.reply.kind} {request.reply.key!r} is outside the request's shard: on a Redis Cluster it carries the shard's hash tag {{{shard.tag}}}"
             self.table.reject(entry.entry_id, raw, "reply_denied", message, request_id=request.id, reply=None)
             return
         streamed: list[int] = []

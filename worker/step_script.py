@@ -22,11 +22,13 @@ acknowledged: events still go out, so a client whose request outlived a Redis fl
 answer), or `denied` (the reply write was refused; the entry is acknowledged and dead-lettered).
 Only non-`ok` statuses are returned, as a flat list `record, status, detail, ...` (record: the
 entry's 1-based position among the records, since two streams may hold entries of the same id).
+On a Redis Cluster a reply channel of kind `spubsub` (sharded pub/sub, SPUBLISH) or a reply stream
+must lie in the script's slot; the worker checks that when it reads the request.
 
 Arguments: KEYS = [dead-letter stream, applied-step key, then the request streams the entries come
 from (a worker serves one per priority)]; ARGV = [group, consumer, step number, key TTL, reply
 stream MAXLEN, dead-letter MAXLEN, then one record per entry: its stream (a 1-based position among
-the request streams of KEYS), entry id, reply kind (pubsub | stream | ""), reply key, event count, the events (msgpack bytes),
+the request streams of KEYS), entry id, reply kind (pubsub | spubsub | stream | ""), reply key, event count, the events (msgpack bytes),
 progress key ("" = none), holder key ("" = none), progress byte offset, progress bytes, finish
 ("1" | "": acknowledge the entry, delete progress and holder), dead letter
 ("1" | ""), and when a dead letter: its msg, code and message].
@@ -78,13 +80,16 @@ while i <= #ARGV do
   records[#records + 1] = r
 end
 
--- Events: one PUBLISH per pub/sub channel ({"v": 1, "events": [...]}), one XADD per event on reply streams.
+-- Events: one PUBLISH (SPUBLISH for sharded pub/sub) per channel ({"v": 1, "events": [...]}), one XADD per event on reply streams.
 local channels, channel_order = {}, {}
 for _, r in ipairs(records) do
   if r.status ~= 'lost' and #r.events > 0 then
-    if r.kind == 'pubsub' then
-      local c = channels[r.key]
-      if not c then c = {events = {}, records = {}}; channels[r.key] = c; channel_order[#channel_order + 1] = r.key end
+    if r.kind == 'pubsub' or r.kind == 'spubsub' then
+      local c = channels[r.kind .. ' ' .. r.key]
+      if not c then
+        c = {command = r.kind == 'spubsub' and 'SPUBLISH' or 'PUBLISH', key = r.key, events = {}, records = {}}
+        channels[r.kind .. ' ' .. r.key] = c; channel_order[#channel_order + 1] = r.kind .. ' ' .. r.key
+      end
       for _, e in ipairs(r.events) do c.events[#c.events + 1] = e end
       c.records[#c.records + 1] = r
     elseif r.kind == 'stream' then
@@ -96,10 +101,10 @@ for _, r in ipairs(records) do
     end
   end
 end
-for _, key in ipairs(channel_order) do
-  local c = channels[key]
+for _, name in ipairs(channel_order) do
+  local c = channels[name]
   local batch = '\130\161v\001\166events' .. array_header(#c.events) .. table.concat(c.events)
-  local err = failed(redis.pcall('PUBLISH', key, batch))
+  local err = failed(redis.pcall(c.command, c.key, batch))
   if err then for _, r in ipairs(c.records) do r.status, r.detail = 'denied', err end end
 end
 
