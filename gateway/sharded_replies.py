@@ -88,8 +88,8 @@ class ShardedReplyRouter(ReplyRouter):
         while True:
             try:
                 await self._read_until_broken()
-            except (SubscriptionBroken, *REDIS_FAILURES) as exc:
-                log.warning("reply subscription lost (%s); subscribing again", exc)
+            except Exception as exc:  # whatever broke a subscription (redis-py's own errors included), the reader goes on
+                log.warning("reply subscription lost (%r); subscribing again", exc)
             self.listening = False
             self._fail_open_requests()
             await self._unsubscribe()

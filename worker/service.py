@@ -51,6 +51,8 @@ REDIS_RETRY_S = 1.0
 CANCEL_MEMORY_S = 120.0  # a cancellation for a request not yet started is remembered this long
 HOLDER_MARGIN_S = 60  # a request's holder key outlives its deadline by this much
 CANCEL_TRIES, CANCEL_WAIT_S = 10, 1.0
+# SET NX EX, and answer who holds the key now (this entry, or the one that held it already).
+HOLD_LUA = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return ARGV[1] end return redis.call('GET', KEYS[1])"
 async def run_worker(config: WorkerConfig, *, model: LoadedModel | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (by default: until SIGTERM), then drain; cancelling stops at once."""
     if config.threads > 0:
@@ -85,6 +87,9 @@ class Worker:
         )
         self.metrics = WorkerMetrics(self.model_name, lambda: self.engine.stats)
         self.table = RequestTable(self.publisher, self.metrics.count_finished, LogprobEvents(model.tokenizer))
+        # A script, not MULTI: redis-py 8.1's cluster client runs a transaction that finds its slot map
+        # stale on another event loop, which fails (seen after a primary came back).
+        self._hold = redis.register_script(HOLD_LUA)
         self._room = asyncio.Event()
         self._early_cancels: dict[str, float] = {}  # request id -> when its cancellation arrived
 
@@ -311,10 +316,7 @@ class Worker:
         would share a reply address and a progress record. The entry finishing deletes the key."""
         key = self.stream.lane_of(entry_id).shard.holder_key(request.id)
         ttl = max(int(request.deadline - time.time()), 0) + HOLDER_MARGIN_S
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(key, entry_id, nx=True, ex=ttl)
-        pipe.get(key)
-        _, holder = await pipe.execute()
+        holder = await self._hold(keys=[key], args=[entry_id, ttl])
         if holder is not None and holder.decode() != entry_id:
             raise ProtocolError("duplicate_id", f"a request with id {request.id} is already running")
 
