@@ -42,6 +42,7 @@ import redis.asyncio as aioredis
 
 import protocol
 from protocol.keys import Shard
+from protocol.redis_client import transaction
 from protocol.request_groups import RequestGroups
 
 RETENTION_S = 30 * 86_400  # ended batches, their results and files are kept this long (OpenAI: 30 days)
@@ -219,7 +220,7 @@ class BatchStore:
         file_id = new_id(prefix)
         created = int(time.time())
         record = {**{k: str(v) for k, v in fields.items()}, "bytes": str(len(data)), "created_at": str(created)}
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await transaction(self.redis)
         pipe.set(self.home.file_key(file_id, "data"), data, ex=RETENTION_S)
         pipe.hset(self.home.file_key(file_id), mapping=record)
         pipe.expire(self.home.file_key(file_id), RETENTION_S)
@@ -240,7 +241,7 @@ class BatchStore:
         size += await self._append(data_key, buffer)
         created = int(time.time())
         record = {**{k: str(v) for k, v in fields.items()}, "bytes": str(size), "created_at": str(created)}
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await transaction(self.redis)
         pipe.hset(self.home.file_key(file_id), mapping=record)
         pipe.expire(self.home.file_key(file_id), RETENTION_S)
         pipe.zadd(self.home.file_index, {file_id: created})
@@ -271,7 +272,7 @@ class BatchStore:
         return await self.redis.get(self.home.file_key(file_id, "data")) or b""
 
     async def delete_file(self, file_id: str) -> bool:
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await transaction(self.redis)
         pipe.delete(self.home.file_key(file_id), self.home.file_key(file_id, "data"))
         pipe.zrem(self.home.file_index, file_id)
         deleted, _ = await pipe.execute()
@@ -292,7 +293,7 @@ class BatchStore:
             await self.redis.rpush(self.home.batch_key(batch_id, "items"), *items[start : start + CHUNK])
         now = time.time()
         record = {**{k: str(v) for k, v in fields.items() if v is not None}, "api": api, "created_at": repr(now), "total": str(len(items)), "next": "0"}
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await transaction(self.redis)
         pipe.hset(self.home.batch_key(batch_id), mapping=record)
         pipe.zadd(self.home.batch_index(api), {batch_id: now})
         pipe.sadd(self.home.active_batches, batch_id)
@@ -326,7 +327,7 @@ class BatchStore:
 
     async def delete_batch(self, batch: Batch) -> None:
         parts = ("", "items", "inflight", "results", "lease")
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await transaction(self.redis)
         pipe.delete(*(self.home.batch_key(batch.id, part) for part in parts))
         pipe.zrem(self.home.batch_index(batch.api), batch.id)
         pipe.srem(self.home.active_batches, batch.id)
@@ -334,7 +335,7 @@ class BatchStore:
 
     async def ended(self, batch_id: str, **fields: Any) -> None:
         """The batch's last status: off the active set, and kept for `RETENTION_S`."""
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await transaction(self.redis)
         if fields:
             pipe.hset(self.home.batch_key(batch_id), mapping={k: str(v) for k, v in fields.items()})
         pipe.srem(self.home.active_batches, batch_id)
