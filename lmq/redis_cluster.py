@@ -130,14 +130,17 @@ class EmbeddedCluster:
         try:
             with node.client(socket_timeout=2, socket_connect_timeout=2, decode_responses=True) as client:
                 info = client.cluster("info")
+                links = [line.split()[7] for line in client.execute_command("CLUSTER", "NODES").splitlines() if "myself" not in line]
         except redis.RedisError as exc:
             return f"node {index} (port {node.port}) does not answer: {exc!r}"
         wanted = {"cluster_state": "ok", "cluster_slots_ok": str(REDIS_CLUSTER_HASH_SLOTS), "cluster_known_nodes": str(len(self.nodes))}
         wrong = {name: info.get(name) for name, value in wanted.items() if str(info.get(name)) != value}
+        if links.count("connected") != len(self.nodes) - 1:  # a PUBLISH reaches only the nodes whose bus link is up
+            wrong["bus links connected"] = links.count("connected")
         return f"node {index} (port {node.port}): {wrong}" if wrong else None
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every node says cluster_state ok, knows every node and has every slot served."""
+        """Until every node says cluster_state ok, knows every node, has its bus link to each up and every slot served."""
         deadline = time.monotonic() + timeout
         while True:
             problems = [problem for index in range(len(self.nodes)) if (problem := self.node_problem(index))]

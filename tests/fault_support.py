@@ -167,13 +167,15 @@ class Stack:
     """One Redis and the lmq processes on it. `prepare()` before each test makes it whole again."""
 
     def __init__(self, spec: StackSpec, root: Path, model_dir: Path):
-        self.spec = spec
-        self.root = root
-        self.model_dir = model_dir
-        self.redis = EmbeddedRedis(data_dir=root / "redis", port=free_tcp_port(), server=find_redis_server(spec.kind), appendonly=True)
-        self.redis.start()
-        self.admin = redis.Redis.from_url(self.redis.url, socket_timeout=5, socket_connect_timeout=2)
+        server = EmbeddedRedis(data_dir=root / "redis", port=free_tcp_port(), server=find_redis_server(spec.kind), appendonly=True).start()
+        self._attach(spec, root, model_dir, server, redis.Redis.from_url(server.url, socket_timeout=5, socket_connect_timeout=2))
         self.url = self._lmq_url()
+
+    def _attach(self, spec: StackSpec, root: Path, model_dir: Path, server: EmbeddedRedis, admin: redis.Redis, url: str = "") -> None:
+        """The fields of a stack on a Redis that is up: `server` (whose log lines `log_tails` shows),
+        `admin` (the tests' own client), `url` (the lmq processes' REDIS_URL)."""
+        self.spec, self.root, self.model_dir = spec, root, model_dir
+        self.redis, self.admin, self.url = server, admin, url
         self.processes = Processes(root / "logs")
         self.workers: list[str] = []
         self.gateways: list[str] = []
@@ -487,6 +489,18 @@ class ChatStream:
 def client_session() -> aiohttp.ClientSession:
     """Each request on its own connection, so a test's disconnect closes just that one."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0))
+
+
+async def streaming(stack: "Stack", streams: list[ChatStream], tasks: list[asyncio.Task], chunks: int, also: Callable[[], bool] = lambda: True) -> None:
+    """Wait until every stream has `chunks` text chunks (and `also()`): the moment to inject a
+    fault. A stream that ended before it fails the test here, with what it got."""
+
+    def ready() -> bool:
+        early = [s.describe() for s, t in zip(streams, tasks) if t.done()]
+        assert not early, "a stream ended before the fault:\n" + "\n".join(early) + f"\n{stack.log_tails()}"
+        return all(s.chunks >= chunks for s in streams) and also()
+
+    await eventually(ready, f"{chunks} text chunks on every stream", 30, stack)
 
 
 async def stream_all(session: aiohttp.ClientSession, streams: list[ChatStream]) -> list[ChatStream]:

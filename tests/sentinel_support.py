@@ -115,23 +115,13 @@ class SentinelSet:
 
 class SentinelStack(Stack):
     """fault_support's Stack of gateways and workers, on a SentinelSet instead of one Redis: its
-    processes get the set's `redis+sentinel://` URL and its `admin` client follows failovers too.
-
-    It sets Stack's fields itself rather than calling Stack's constructor, which starts a Redis."""
+    processes get the set's `redis+sentinel://` URL and its `admin` client follows failovers too
+    (Stack's constructor would start a Redis)."""
 
     def __init__(self, sentinels: SentinelSet, spec: StackSpec, root: Path, model_dir: Path):
         self.sentinels = sentinels
-        self.spec = spec
-        self.root = root
-        self.model_dir = model_dir
-        self.redis = sentinels.primary  # for Stack.log_tails
-        self.url = sentinels.url
-        self.admin = connect_sync(self.url, socket_timeout=5, socket_connect_timeout=2)
-        self.processes = Processes(root / "logs")
-        self.workers: list[str] = []
-        self.gateways: list[str] = []
-        self.gateway_urls: dict[str, str] = {}
-        self._started = 0
+        admin = connect_sync(sentinels.url, socket_timeout=5, socket_connect_timeout=2)
+        self._attach(spec, root, model_dir, sentinels.primary, admin, sentinels.url)
 
     def redis_alive(self) -> bool:
         try:

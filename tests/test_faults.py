@@ -44,6 +44,7 @@ from fault_support import (
     PromptPool,
     foreign_request,
     stream_all,
+    streaming,
 )
 from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, progress_key
 
@@ -87,18 +88,6 @@ async def use(stacks, spec: StackSpec) -> Stack:
 async def finished(tasks: list[asyncio.Task]) -> None:
     """Wait for client tasks (each bounded by its own timeout)."""
     await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), CLIENT_TIMEOUT_S + 10)
-
-
-async def streaming(stack: Stack, streams: list[ChatStream], tasks: list[asyncio.Task], chunks: int, also=lambda: True) -> None:
-    """Wait until every stream has `chunks` text chunks (and `also()`): the moment to inject a
-    fault. A stream that ended before it fails the test here, with what it got."""
-
-    def ready() -> bool:
-        early = [s.describe() for s, t in zip(streams, tasks) if t.done()]
-        assert not early, "a stream ended before the fault:\n" + "\n".join(early) + f"\n{stack.log_tails()}"
-        return all(s.chunks >= chunks for s in streams) and also()
-
-    await eventually(ready, f"{chunks} text chunks on every stream", 30, stack)
 
 
 def reply_ended(stack: Stack, key: str) -> list[tuple[str, dict]] | None:

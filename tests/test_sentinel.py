@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from fault_support import CLAIM_IDLE_MS, STREAM, ChatStream, PromptPool, StackSpec, client_session, eventually, stream_all
+from fault_support import CLAIM_IDLE_MS, STREAM, ChatStream, PromptPool, StackSpec, client_session, eventually, stream_all, streaming
 from gateway.config import GatewayConfig
 from lmq.checks import check_gateway, check_worker
 from lmq.redis_server import free_tcp_port
@@ -155,7 +155,7 @@ async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then
             streams = [ChatStream(stack.urls[0], prompt) for prompt in expected]
             tasks = [asyncio.create_task(stream.run(session)) for stream in streams]
             try:
-                await _streaming(stack, streams, tasks, chunks=3)
+                await streaming(stack, streams, tasks, chunks=3)
                 sentinel_set.kill_primary()
             finally:
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
@@ -182,12 +182,3 @@ async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then
         stack.close()
 
 
-async def _streaming(stack: SentinelStack, streams: list[ChatStream], tasks: list[asyncio.Task], chunks: int) -> None:
-    """Until every stream has shown `chunks` pieces of text; one that ended before fails the test."""
-
-    def ready() -> bool:
-        early = [stream.describe() for stream, task in zip(streams, tasks) if task.done()]
-        assert not early, "a stream ended before the fault:\n" + "\n".join(early) + f"\n{stack.log_tails()}"
-        return all(stream.chunks >= chunks for stream in streams)
-
-    await eventually(ready, f"{chunks} text chunks on every stream", 30, stack)
