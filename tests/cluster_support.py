@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 import protocol
 from fault_support import MODEL, Stack, StackSpec
@@ -75,6 +75,7 @@ class ClusterStack(Stack):
             return False
 
     def waiting(self) -> int:
+        """Entries left in every shard's request stream."""
         return sum(self.admin.xlen(stream) for stream in self.streams)
 
     def heartbeating(self, names: list[str] | None = None) -> bool:
@@ -95,18 +96,6 @@ class ClusterStack(Stack):
 
     def redis_alive(self) -> bool:
         return all(node.process is not None and node.process.poll() is None for node in self.cluster.nodes)
-
-    def clean(self) -> bool:
-        try:
-            return (
-                self.redis_alive()
-                and all(self.processes.alive(name) for name in self.workers + self.gateways)
-                and self.group_exists()
-                and self.waiting() == 0
-                and not self.pending()
-            )
-        except RedisError:
-            return False
 
     async def prepare(self) -> None:
         """Before a test: the stack whole (restarted from scratch on an emptied cluster if a test

@@ -329,11 +329,15 @@ class Stack:
                 self.redis_alive()
                 and all(self.processes.alive(name) for name in self.workers + self.gateways)
                 and self.group_exists()
-                and self.admin.xlen(STREAM) == 0
+                and self.waiting() == 0
                 and not self.pending()
             )
         except RedisError:
             return False
+
+    def waiting(self) -> int:
+        """Entries left in the request stream (workers delete finished ones)."""
+        return self.admin.xlen(STREAM)
 
     async def prepare(self) -> None:
         """Before a test: the stack whole (restarted from scratch if a test left it broken), the
