@@ -8,7 +8,7 @@ import os
 from gateway.config import GatewayConfig
 from protocol.cluster_url import is_cluster_url, parse_cluster_url
 from protocol.sentinel_url import is_sentinel_url, parse_sentinel_url
-from worker.config import DTYPES, QUANTS, WorkerConfig, parse_kv_memory
+from worker.config import CPU_STEPS, DTYPES, QUANTS, WorkerConfig, parse_kv_memory
 
 from .logs import check_format, check_level
 from .settings import at_least, setting_name
@@ -58,6 +58,8 @@ def check_worker(config: WorkerConfig) -> None:
         raise ValueError(f"{name('dtype')} must be one of {', '.join(DTYPES)}, not {config.dtype!r}")
     if config.quant not in QUANTS:
         raise ValueError(f"{name('quant')} must be one of {', '.join(QUANTS)}, not {config.quant!r}")
+    if config.cpu_steps not in CPU_STEPS:
+        raise ValueError(f"{name('cpu_steps')} must be one of {', '.join(CPU_STEPS)}, not {config.cpu_steps!r}")
     try:
         kv_bytes = parse_kv_memory(config.kv_memory)
     except ValueError:

@@ -177,7 +177,9 @@ async def run_worker_part(config: WorkerConfig, stop: asyncio.Event | None = Non
         torch.set_num_threads(config.threads)  # before the torch thread starts: it keeps this count
     log.info("loading the model %s (dtype %s, quant %s, device %s)", config.model or "(the default)", config.dtype, config.quant, config.device)
     try:
-        model = await compute_thread.run_async(load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device)
+        model = await compute_thread.run_async(
+            load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device, cpu_steps=config.cpu_steps
+        )
     except Exception as exc:
         raise FatalError(f"cannot load the model {config.model or '(the default)'}: {_message(exc)}") from exc
     if stop is not None and stop.is_set():

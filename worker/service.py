@@ -58,7 +58,9 @@ async def run_worker(config: WorkerConfig, *, model: LoadedModel | None = None, 
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     if model is None:
-        model = await compute_thread.run_async(load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device)
+        model = await compute_thread.run_async(
+            load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device, cpu_steps=config.cpu_steps
+        )
     redis = connect(config.redis_url)
     try:
         await Worker(config, model, redis).run(stop)

@@ -1,0 +1,556 @@
+// One engine step of a Llama-family model in a single call (worker/model/native_llama.py owns it): decodes
+// and prompt chunks alike, each new token a row that attends to its own sequence's keys up to itself.
+//
+// Why native: on 2 cores a torch decode step of the default model is ~40 small operators per layer,
+// each costing 2-4x its own arithmetic in dispatch and cache misses, plus torch's int4 kernel, which
+// dequantizes weights to bfloat16 before multiplying. Here a step is one loop over the layers, the
+// activations stay in float32 in L1/L2, and the linears are int4 x int8 dot products on VNNI.
+//
+// Linears (int4 weights in groups of 32, value = a * q + m with q in 0..15, GGUF Q4_1's form): the
+// input row is quantized to int8 with one scale d per 4 values (one vpdpbusd lane), so
+//   sum_j (a q_j + m) x_j  ~  a sum_j d_j q_j qx_j  +  m sum_j d_j qx_j.
+// The second term uses the quantized x too: with q's mean near 7.5 the two terms nearly cancel, and
+// only the same x in both keeps x's rounding out of their large common part.
+// Packed weights (made once in Python):
+//   nibbles [N, K/2] u8: per 128-value chunk 64 bytes, byte i holding value i (low nibble) and 64 + i
+//                        (high); a trailing 64-value chunk: 32 bytes, byte i holding values i and 32 + i.
+//   scales  [N, K/32] fp16 (a);  mins [N/16, K/32, 16] fp16 (m), 16 output rows side by side.
+// The output head is int8 per row (w + 128 as u8): y = s * (sum d qx (w + 128) - 128 sum d qx).
+//
+// Attention reads K/V in place from the paged pool (bfloat16 [pages, page_size, kv_heads, head_dim] per
+// layer), one (sequence, KV head) at a time with its query heads together: scores, softmax, values.
+//
+// Threads: one OpenMP team for the whole step; each phase splits its work statically over the team
+// and ends at a barrier. Every row's arithmetic is the same whatever else is in the step (rows never
+// share a reduction), so a sequence's tokens do not depend on what it is batched with.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+
+struct Int4Matrix {
+  const uint8_t* nibbles;
+  const uint16_t* scales;  // fp16
+  const uint16_t* mins;    // fp16
+  int64_t n, k;
+};
+
+struct LayerWeights {
+  Int4Matrix qkv, o, gate_up, down;
+  const float* input_norm;
+  const float* post_norm;
+};
+
+struct Model {
+  int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;  // vocab: the head's rows (a multiple of 16)
+  float eps, rope_factor;
+  const float* inv_freq;    // [head_dim / 2]
+  const uint16_t* embed;    // bf16 [vocab, hidden]
+  const LayerWeights* layer;
+  const float* final_norm;  // [hidden]
+  const uint8_t* head;      // [vocab, hidden]: int8 weight + 128
+  const float* head_scale;  // [vocab]
+};
+
+struct Step {
+  int64_t rows;
+  const int64_t* ids;
+  const int64_t* positions;
+  const int64_t* slots;     // where each row's new K/V goes: page * page_size + offset
+  const int64_t* contexts;     // keys each row attends to, its new one included (its position + 1)
+  const int64_t* page_tables;  // [rows, stride]: each row's sequence's pages
+  int64_t page_table_stride;
+  uint16_t* k_pool;  // bf16 [layers, pages, page_size, kv_heads, head_dim]
+  uint16_t* v_pool;
+  int64_t layer_stride;  // elements
+  int64_t page_size;
+  const int64_t* logit_rows;  // the rows whose next-token logits are wanted (each sequence's last)
+  int64_t logit_count;
+  float* logits;  // [logit_count, vocab]
+  double* phase_seconds;  // null, or [kPhases]: where the step's wall time went (bench/step_profile.py)
+};
+
+int lmq_step(const Model* model, const Step* step, int threads);
+int lmq_step_phases();
+}
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockN = 16;
+constexpr int kMaxRows = 8;
+constexpr int64_t kPrefetchBytes = 4096;
+constexpr int kPhases = 10;  // embed, norm, qkv, rope + K/V write, attention, o, gate_up, SiLU, down, head
+constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// ---- small vector helpers ----
+
+inline __m512 load_bf16(const uint16_t* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+inline void store_bf16(uint16_t* p, __m512 v) {  // round to nearest even
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+inline __m512 exp512(__m512 x) {  // e^x, relative error ~1e-7; x clamped to [-87, 88]
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));  // e^f, |f| <= ln2 / 2
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 vectors -> one vector of their 16 horizontal sums (in kSlot order).
+inline __m512 reduce16(const float* slots /* [16][16] */) {
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i) {
+    __m512 a = _mm512_loadu_ps(slots + i * 16), b = _mm512_loadu_ps(slots + (i + 8) * 16);
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[i], c[i + 4], 0x88), _mm512_shuffle_f32x4(c[i], c[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    f[i] = _mm512_add_ps(_mm512_shuffle_ps(e[i], e[i + 2], 0x44), _mm512_shuffle_ps(e[i], e[i + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
+}
+
+// The team's share of [0, total): static, contiguous.
+inline void share(int64_t total, int64_t& begin, int64_t& end) {
+  const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+  const int64_t each = total / team, extra = total % team;
+  begin = me * each + std::min(me, extra);
+  end = begin + each + (me < extra ? 1 : 0);
+}
+
+// ---- activations quantized to int8 ----
+
+struct QuantizedRows {
+  int8_t* q;       // [rows, stride]
+  float* scale;    // [rows, stride / 4]
+  float* sum;      // [rows, stride / 32]
+  int64_t stride;  // the widest K of the step
+};
+
+// One row of k floats -> int8 with one scale per 4 values, and each group's sum of d * qx.
+void quantize_row(const float* x, int64_t k, const QuantizedRows& out, int64_t r) {
+  int8_t* q = out.q + r * out.stride;
+  float* scale = out.scale + r * (out.stride / 4);
+  float* sums = out.sum + r * (out.stride / kGroup);
+  const __m512i first_of_four = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t offset = g * kGroup + half * 16;
+      __m512 v = _mm512_loadu_ps(x + offset), amax = _mm512_abs_ps(v);
+      amax = _mm512_max_ps(amax, _mm512_permute_ps(amax, 0xB1));
+      amax = _mm512_max_ps(amax, _mm512_permute_ps(amax, 0x4E));
+      __m512 factor = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(127.f), amax);
+      __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, factor));
+      __m512 d = _mm512_mul_ps(amax, _mm512_set1_ps(1.f / 127.f));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + offset), _mm512_cvtsepi32_epi8(qi));
+      _mm_storeu_ps(scale + offset / 4, _mm512_castps512_ps128(_mm512_permutexvar_ps(first_of_four, d)));
+      sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), d, sum);
+    }
+    sums[g] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// ---- int4 linear ----
+
+template <int MR>
+inline void int4_row_dots(const Int4Matrix& w, int64_t n, const QuantizedRows& x, int64_t r0, __m512* acc) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i pair01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i pair23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  const int64_t groups = w.k / kGroup;
+  const uint8_t* qrow = w.nibbles + n * (w.k / 2);
+  const uint16_t* arow = w.scales + n * groups;
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+
+  auto accumulate = [&](__m512i values, __m512 a, int64_t offset, int64_t pair) {
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = x.q + (r0 + r) * x.stride + offset;
+      const float* dx = x.scale + (r0 + r) * (x.stride / 4) + pair * 16;
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), values, _mm512_loadu_si512(xq));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a, _mm512_loadu_ps(dx)), acc[r]);
+    }
+  };
+
+  const int64_t chunks = w.k / 128;
+  for (int64_t line = 0; line < w.k / 2; line += 64)  // prefetches never fault, past the end included
+    _mm_prefetch(reinterpret_cast<const char*>(qrow + kPrefetchBytes + line), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(arow + kPrefetchBytes / 8), _MM_HINT_T0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i v = _mm512_loadu_si512(qrow + c * 64);
+    __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    __m512 a4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(arow + c * 4))));
+    accumulate(lo, _mm512_permutexvar_ps(pair01, a4), c * 128, 2 * c);
+    accumulate(hi, _mm512_permutexvar_ps(pair23, a4), c * 128 + 64, 2 * c + 1);
+  }
+  if (w.k % 128) {  // one trailing 64-value chunk
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow + chunks * 64));
+    __m256i low4_256 = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(v, low4_256), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4_256);
+    __m512i values = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    int32_t two;
+    std::memcpy(&two, arow + chunks * 4, sizeof(two));
+    __m512 a2 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(two)));
+    accumulate(values, _mm512_permutexvar_ps(pair01, a2), chunks * 128, 2 * chunks);
+  }
+}
+
+// Output columns [16 * block, +16) for x rows [r0, r0 + MR); accumulate: out += y, else out = y.
+template <int MR>
+void int4_block(const Int4Matrix& w, int64_t block, const QuantizedRows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
+  alignas(64) float slots[MR][16][16];
+  __m512 acc[MR];
+  for (int i = 0; i < kBlockN; ++i) {
+    int4_row_dots<MR>(w, block * kBlockN + i, x, r0, acc);
+    for (int r = 0; r < MR; ++r) _mm512_store_ps(slots[r][kSlot[i]], acc[r]);
+  }
+  const int64_t groups = w.k / kGroup;
+  const uint16_t* mins = w.mins + block * groups * kBlockN;
+  for (int r = 0; r < MR; ++r) {
+    __m512 y = reduce16(&slots[r][0][0]);
+    const float* sums = x.sum + (r0 + r) * (x.stride / kGroup);
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kBlockN)));
+      y = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[g]), y);
+    }
+    float* o = out + (r0 + r) * out_stride + block * kBlockN;
+    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), y) : y);
+  }
+}
+
+// ---- int8 head ----
+
+template <int MR>
+void int8_block(const Model& m, int64_t block, const QuantizedRows& x, int64_t r0, const float* totals, float* out) {
+  alignas(64) float slots[MR][16][16];
+  const int64_t k = m.hidden;
+  for (int i = 0; i < kBlockN; ++i) {
+    const int64_t n = block * kBlockN + i;
+    const uint8_t* wrow = m.head + n * k;
+    for (int64_t line = 0; line < k; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wrow + kPrefetchBytes + line), _MM_HINT_T0);
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 64) {
+      __m512i w = _mm512_loadu_si512(wrow + c);
+      for (int r = 0; r < MR; ++r) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x.q + (r0 + r) * x.stride + c));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(x.scale + (r0 + r) * (x.stride / 4) + c / 4), acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) _mm512_store_ps(slots[r][kSlot[i]], acc[r]);
+  }
+  __m512 scale = _mm512_loadu_ps(m.head_scale + block * kBlockN);
+  for (int r = 0; r < MR; ++r) {
+    __m512 y = _mm512_sub_ps(reduce16(&slots[r][0][0]), _mm512_set1_ps(128.f * totals[r0 + r]));
+    _mm512_storeu_ps(out + (r0 + r) * m.vocab + block * kBlockN, _mm512_mul_ps(y, scale));
+  }
+}
+
+#define LMQ_DISPATCH_ROWS(rows, call) \
+  switch (rows) {                     \
+    case 1: call(1); break;           \
+    case 2: call(2); break;           \
+    case 3: call(3); break;           \
+    case 4: call(4); break;           \
+    case 5: call(5); break;           \
+    case 6: call(6); break;           \
+    case 7: call(7); break;           \
+    default: call(8); break;          \
+  }
+
+// out [rows, w.n] (= or +=) x @ w^T, the team splitting the column blocks.
+void int4_linear(const Int4Matrix& w, const QuantizedRows& x, int64_t rows, float* out, bool accumulate) {
+  int64_t begin, end;
+  share(w.n / kBlockN, begin, end);
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const int64_t tile = std::min<int64_t>(kMaxRows, rows - r0);
+    for (int64_t b = begin; b < end; ++b) {
+#define LMQ_INT4(MR) int4_block<MR>(w, b, x, r0, out, w.n, accumulate)
+      LMQ_DISPATCH_ROWS(tile, LMQ_INT4)
+#undef LMQ_INT4
+    }
+  }
+}
+
+void int8_head(const Model& m, const QuantizedRows& x, int64_t rows, const float* totals, float* out) {
+  int64_t begin, end;
+  share(m.vocab / kBlockN, begin, end);
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const int64_t tile = std::min<int64_t>(kMaxRows, rows - r0);
+    for (int64_t b = begin; b < end; ++b) {
+#define LMQ_INT8(MR) int8_block<MR>(m, b, x, r0, totals, out)
+      LMQ_DISPATCH_ROWS(tile, LMQ_INT8)
+#undef LMQ_INT8
+    }
+  }
+}
+
+// ---- per-row pieces ----
+
+void rms_norm(const float* x, const float* weight, int64_t k, float eps, float* out) {
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sq) / k + eps));
+  for (int64_t i = 0; i < k; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv), _mm512_loadu_ps(weight + i)));
+}
+
+void silu_mul(const float* gate_up, int64_t width, float* out) {
+  for (int64_t i = 0; i < width; i += 16) {
+    __m512 g = _mm512_loadu_ps(gate_up + i), u = _mm512_loadu_ps(gate_up + width + i);
+    __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+  }
+}
+
+// Rotate-half RoPE of `count` heads of x in place.
+void rope(float* x, int64_t count, int64_t head_dim, const float* cos, const float* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < count; ++h) {
+    float* v = x + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cos[i] - b * sin[i];
+      v[i + half] = b * cos[i] + a * sin[i];
+    }
+  }
+}
+
+// One sequence's query heads of KV head h against its keys in the pool.
+void attend(const Model& m, const Step& s, int64_t layer, const float* q, float* out, int64_t r, int64_t h, std::vector<float>& scores) {
+  const int64_t hd = m.head_dim, group = m.heads / m.kv_heads, chunks = hd / 16, kvh = m.kv_heads;
+  const int64_t context = s.contexts[r], ps = s.page_size;
+  const int64_t* pages = s.page_tables + r * s.page_table_stride;
+  const uint16_t* k_pool = s.k_pool + layer * s.layer_stride;
+  const uint16_t* v_pool = s.v_pool + layer * s.layer_stride;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  const int64_t padded = (context + 15) / 16 * 16;
+  scores.resize(group * padded);
+  auto key_offset = [&](int64_t t) { return ((pages[t / ps] * ps + t % ps) * kvh + h) * hd; };
+
+  for (int64_t t = 0; t < context; ++t) {
+    const uint16_t* key = k_pool + key_offset(t);
+    __m512 kv[16];
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = load_bf16(key + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * hd;
+      __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qg));
+      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qg + c * 16), acc);
+      scores[g * padded + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  std::vector<float> inv_sum(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores.data() + g * padded;
+    float top = row[0];
+    for (int64_t t = 1; t < context; ++t) top = std::max(top, row[t]);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < context; t += 16) {
+      const __mmask16 live = context - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (context - t)) - 1);
+      __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), _mm512_set1_ps(top))));
+      _mm512_storeu_ps(row + t, p);
+      total = _mm512_add_ps(total, p);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  __m512 acc[16 * 16];
+  for (int64_t i = 0; i < group * chunks; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < context; ++t) {
+    const uint16_t* value = v_pool + key_offset(t);
+    __m512 vv[16];
+    for (int64_t c = 0; c < chunks; ++c) vv[c] = load_bf16(value + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+      for (int64_t c = 0; c < chunks; ++c) acc[g * chunks + c] = _mm512_fmadd_ps(p, vv[c], acc[g * chunks + c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_ps(out + g * hd + c * 16, _mm512_mul_ps(acc[g * chunks + c], _mm512_set1_ps(inv_sum[g])));
+}
+
+struct Buffers {
+  std::vector<float> hidden, normed, qkv, attention, gate_up, cos, sin, totals;
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+  QuantizedRows quantized;
+
+  Buffers(const Model& m, int64_t rows) {
+    const int64_t widest = std::max({m.hidden, m.intermediate, m.heads * m.head_dim}), qkv_n = (m.heads + 2 * m.kv_heads) * m.head_dim;
+    hidden.resize(rows * m.hidden);
+    normed.resize(rows * widest);
+    qkv.resize(rows * qkv_n);
+    attention.resize(rows * m.heads * m.head_dim);
+    gate_up.resize(rows * 2 * m.intermediate);
+    cos.resize(rows * m.head_dim / 2);
+    sin.resize(rows * m.head_dim / 2);
+    totals.resize(rows);
+    q.resize(rows * widest);
+    scale.resize(rows * widest / 4);
+    sum.resize(rows * widest / kGroup);
+    quantized = QuantizedRows{q.data(), scale.data(), sum.data(), widest};
+  }
+};
+
+// Each of the team's rows: normalise (when norm is given) and quantize rows of x [rows, k].
+void quantize_rows(const float* x, int64_t rows, int64_t k, const float* norm, float eps, Buffers& b) {
+  int64_t begin, end;
+  share(rows, begin, end);
+  for (int64_t r = begin; r < end; ++r) {
+    const float* row = x + r * k;
+    if (norm) {
+      rms_norm(row, norm, k, eps, b.normed.data() + r * k);
+      row = b.normed.data() + r * k;
+    }
+    quantize_row(row, k, b.quantized, r);
+  }
+#pragma omp barrier
+}
+
+// Thread 0 adds each phase's wall time (phases end at barriers, so it is the team's) to step.phase_seconds.
+struct PhaseClock {
+  double* seconds;
+  double last;
+  explicit PhaseClock(double* out) : seconds(omp_get_thread_num() == 0 ? out : nullptr), last(omp_get_wtime()) {}
+  void mark(int phase) {
+    if (!seconds) return;
+    const double now = omp_get_wtime();
+    seconds[phase] += now - last;
+    last = now;
+  }
+};
+
+void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::vector<float>& scores, PhaseClock& clock) {
+  const LayerWeights& w = m.layer[index];
+  const int64_t rows = s.rows, hd = m.head_dim, kvh = m.kv_heads;
+  const int64_t q_size = m.heads * hd, qkv_n = q_size + 2 * kvh * hd;
+  int64_t begin, end;
+
+  quantize_rows(b.hidden.data(), rows, m.hidden, w.input_norm, m.eps, b);
+  clock.mark(1);
+  int4_linear(w.qkv, b.quantized, rows, b.qkv.data(), false);
+#pragma omp barrier
+  clock.mark(2);
+  share(rows, begin, end);
+  for (int64_t r = begin; r < end; ++r) {
+    float* row = b.qkv.data() + r * qkv_n;
+    rope(row, m.heads + kvh, hd, b.cos.data() + r * hd / 2, b.sin.data() + r * hd / 2);  // q and k are adjacent
+    const int64_t slot = s.slots[r];
+    uint16_t* k_dst = s.k_pool + index * s.layer_stride + slot * kvh * hd;
+    uint16_t* v_dst = s.v_pool + index * s.layer_stride + slot * kvh * hd;
+    for (int64_t i = 0; i < kvh * hd; i += 16) {
+      store_bf16(k_dst + i, _mm512_loadu_ps(row + q_size + i));
+      store_bf16(v_dst + i, _mm512_loadu_ps(row + q_size + kvh * hd + i));
+    }
+  }
+#pragma omp barrier
+  clock.mark(3);
+  share(rows * kvh, begin, end);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t r = task / kvh, h = task % kvh, group = m.heads / kvh;
+    attend(m, s, index, b.qkv.data() + r * qkv_n + h * group * hd, b.attention.data() + r * q_size + h * group * hd, r, h, scores);
+  }
+#pragma omp barrier
+  clock.mark(4);
+  quantize_rows(b.attention.data(), rows, q_size, nullptr, 0.f, b);
+  int4_linear(w.o, b.quantized, rows, b.hidden.data(), true);
+#pragma omp barrier
+  clock.mark(5);
+  quantize_rows(b.hidden.data(), rows, m.hidden, w.post_norm, m.eps, b);
+  clock.mark(1);
+  int4_linear(w.gate_up, b.quantized, rows, b.gate_up.data(), false);
+#pragma omp barrier
+  clock.mark(6);
+  share(rows, begin, end);
+  for (int64_t r = begin; r < end; ++r) {
+    float* act = b.normed.data() + r * m.intermediate;
+    silu_mul(b.gate_up.data() + r * 2 * m.intermediate, m.intermediate, act);
+    quantize_row(act, m.intermediate, b.quantized, r);
+  }
+#pragma omp barrier
+  clock.mark(7);
+  int4_linear(w.down, b.quantized, rows, b.hidden.data(), true);
+#pragma omp barrier
+  clock.mark(8);
+}
+
+void prepare_rows(const Model& m, const Step& s, Buffers& b) {
+  const int64_t half = m.head_dim / 2;
+  for (int64_t r = 0; r < s.rows; ++r) {
+    const uint16_t* embedding = m.embed + s.ids[r] * m.hidden;
+    for (int64_t i = 0; i < m.hidden; i += 16) _mm512_storeu_ps(b.hidden.data() + r * m.hidden + i, load_bf16(embedding + i));
+    const float position = static_cast<float>(s.positions[r]);
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = position * m.inv_freq[i];
+      b.cos[r * half + i] = std::cos(angle) * m.rope_factor;
+      b.sin[r * half + i] = std::sin(angle) * m.rope_factor;
+    }
+  }
+}
+
+void run_step(const Model& m, const Step& s, Buffers& b) {
+  std::vector<float> scores;
+  PhaseClock clock(s.phase_seconds);
+  for (int64_t index = 0; index < m.layers; ++index) layer_step(m, s, index, b, scores, clock);
+  int64_t begin, end;
+  share(s.logit_count, begin, end);
+  for (int64_t i = begin; i < end; ++i) {
+    rms_norm(b.hidden.data() + s.logit_rows[i] * m.hidden, m.final_norm, m.hidden, m.eps, b.normed.data() + i * m.hidden);
+    quantize_row(b.normed.data() + i * m.hidden, m.hidden, b.quantized, i);
+    float total = 0.f;
+    for (int64_t g = 0; g < m.hidden / kGroup; ++g) total += b.quantized.sum[i * (b.quantized.stride / kGroup) + g];
+    b.totals[i] = total;
+  }
+#pragma omp barrier
+  int8_head(m, b.quantized, s.logit_count, b.totals.data(), s.logits);
+#pragma omp barrier
+  clock.mark(9);
+}
+
+}  // namespace
+
+int lmq_step(const Model* model, const Step* step, int threads) {
+  const Model& m = *model;
+  const Step& s = *step;
+  if (m.head_dim % 16 || m.head_dim > 256 || m.heads % m.kv_heads || m.heads / m.kv_heads > 16) return 1;
+  if (m.hidden % 64 || m.intermediate % 64 || (m.heads * m.head_dim) % 64 || m.vocab % kBlockN) return 1;
+  const double started = omp_get_wtime();
+  Buffers buffers(m, s.rows);
+  prepare_rows(m, s, buffers);
+  if (s.phase_seconds) s.phase_seconds[0] += omp_get_wtime() - started;
+  if (threads <= 1) {
+    run_step(m, s, buffers);
+    return 0;
+  }
+#pragma omp parallel num_threads(threads)
+  run_step(m, s, buffers);
+  return 0;
+}
+
+int lmq_step_phases() { return kPhases; }
