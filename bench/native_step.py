@@ -1,7 +1,7 @@
 """The native step against the torch step it replaces, and where the native step's milliseconds go.
 
     .venv/bin/python -m bench.native_step                       # decode batches 1, 4, 16 at context 64; a 36-token prompt
-    .venv/bin/python -m bench.native_step --batches 16 --context 1100 --threads 2
+    .venv/bin/python -m bench.native_step --batches 16 --context 1100 --shared 1008 --prompt 0
 
 The default model in the default CPU mode (bfloat16/int4, `quant auto`), outside the engine: one step of
 `batch` decodes with `context` tokens each in the paged KV pool, and one prompt chunk of `--prompt`
@@ -39,9 +39,11 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def decode_batch(batch: int, context: int) -> StepBatch:
-    pages = -(-context // PAGE)
-    tables = torch.arange(batch * pages).view(batch, pages)
+def decode_batch(batch: int, context: int, shared: int = 0) -> StepBatch:
+    """`shared` leading tokens (whole pages) in pages every row shares, as a cached system prompt's."""
+    pages, common = -(-context // PAGE), shared // PAGE
+    own = torch.arange(batch * (pages - common)).view(batch, pages - common) + common
+    tables = torch.cat((torch.arange(common).expand(batch, common), own), dim=1)
     position = context - 1
     return StepBatch(
         input_ids=torch.full((batch,), 42), positions=torch.full((batch,), position),
@@ -72,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--shared", type=int, default=0, help="leading tokens of the context every decode shares")
     parser.add_argument("--prompt", type=int, default=36, help="a prompt chunk of this many tokens after one cached page; 0: none")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--steps", type=int, default=10)
@@ -83,7 +86,8 @@ def main() -> None:
     if native is None:
         raise SystemExit("no native step on this machine (see the log): nothing to compare")
     config = loaded.config
-    shapes = [(f"decode ×{b}, context {args.context}", decode_batch(b, args.context)) for b in map(int, args.batches.split(","))]
+    shared = f" ({args.shared} shared)" if args.shared else ""
+    shapes = [(f"decode ×{b}, context {args.context}{shared}", decode_batch(b, args.context, args.shared)) for b in map(int, args.batches.split(","))]
     if args.prompt:
         shapes.append((f"prompt chunk of {args.prompt} after {PAGE} cached", prompt_batch(args.prompt, PAGE)))
     pages = max(int(batch.page_tables.max()) + 1 for _, batch in shapes)

@@ -196,7 +196,7 @@ def attach_native_steps(model: torch.nn.Module, checkpoint: Checkpoint, max_rows
 def _shapes_fit(config) -> bool:
     q_size = config.num_heads * config.head_dim
     return (
-        config.head_dim % 16 == 0 and config.head_dim <= 256 and config.num_heads % config.num_kv_heads == 0
+        config.head_dim in (64, 128, 256) and config.num_heads % config.num_kv_heads == 0
         and config.num_heads // config.num_kv_heads <= 16 and config.hidden_size % 64 == 0
         and config.intermediate_size % 64 == 0 and q_size % 64 == 0 and INT4_GROUP == 32
         and (q_size + 2 * config.num_kv_heads * config.head_dim) % BLOCK_N == 0

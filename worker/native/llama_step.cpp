@@ -342,31 +342,47 @@ void rope(float* x, int64_t count, int64_t head_dim, const float* cos, const flo
   }
 }
 
-// One sequence's query heads of KV head h against its keys in the pool.
-void attend(const Model& m, const Step& s, int64_t layer, const float* q, float* out, int64_t r, int64_t h, std::vector<float>& scores) {
-  const int64_t hd = m.head_dim, group = m.heads / m.kv_heads, chunks = hd / 16, kvh = m.kv_heads;
-  const int64_t context = s.contexts[r], ps = s.page_size;
-  const int64_t* pages = s.page_tables + r * s.page_table_stride;
-  const uint16_t* k_pool = s.k_pool + layer * s.layer_stride;
-  const uint16_t* v_pool = s.v_pool + layer * s.layer_stride;
+// G query heads (of one KV head, in one sequence) against the sequence's keys in one layer's pool.
+// C = head_dim / 16 and G are compile-time, so the accumulators stay in registers.
+template <int C, int G>
+void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* pages, int64_t ps, int64_t token_stride,
+                  int64_t context, const float* q, float* out, std::vector<float>& scores) {
+  constexpr int64_t hd = C * 16;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   const int64_t padded = (context + 15) / 16 * 16;
-  scores.resize(group * padded);
-  auto key_offset = [&](int64_t t) { return ((pages[t / ps] * ps + t % ps) * kvh + h) * hd; };
+  scores.resize(G * padded);
+  // Key t sits at page pages[t / ps], offset t % ps: walked page by page, never divided per key.
+  auto at = [&](const uint16_t* pool, int64_t page, int64_t offset) { return pool + (pages[page] * ps + offset) * token_stride; };
+  __m512 query[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) query[g][c] = _mm512_loadu_ps(q + g * hd + c * 16);
 
-  for (int64_t t = 0; t < context; ++t) {
-    const uint16_t* key = k_pool + key_offset(t);
-    __m512 kv[16];
-    for (int64_t c = 0; c < chunks; ++c) kv[c] = load_bf16(key + c * 16);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * hd;
-      __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qg));
-      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qg + c * 16), acc);
-      scores[g * padded + t] = _mm512_reduce_add_ps(acc) * scale;
+  // Scores 16 keys at a time: each key's 16-lane partial dot products go to a slot, and one reduce16
+  // sums all 16 at once.
+  alignas(64) float slots[G][16][16];
+  int64_t page = 0, offset = 0;
+  for (int64_t t0 = 0; t0 < context; t0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, context - t0);
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= keys) {
+        for (int g = 0; g < G; ++g) _mm512_store_ps(slots[g][kSlot[j]], _mm512_setzero_ps());
+        continue;
+      }
+      const uint16_t* key = at(k_pool, page, offset);
+      if (++offset == ps) offset = 0, ++page;
+      __m512 k[C];
+      for (int c = 0; c < C; ++c) k[c] = load_bf16(key + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(k[0], query[g][0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(k[c], query[g][c], acc);
+        _mm512_store_ps(slots[g][kSlot[j]], acc);
+      }
     }
+    for (int g = 0; g < G; ++g)
+      _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(reduce16(&slots[g][0][0]), _mm512_set1_ps(scale)));
   }
-  std::vector<float> inv_sum(group);
-  for (int64_t g = 0; g < group; ++g) {
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
     float* row = scores.data() + g * padded;
     float top = row[0];
     for (int64_t t = 1; t < context; ++t) top = std::max(top, row[t]);
@@ -379,20 +395,52 @@ void attend(const Model& m, const Step& s, int64_t layer, const float* q, float*
     }
     inv_sum[g] = 1.f / _mm512_reduce_add_ps(total);
   }
-  __m512 acc[16 * 16];
-  for (int64_t i = 0; i < group * chunks; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  page = 0, offset = 0;
   for (int64_t t = 0; t < context; ++t) {
-    const uint16_t* value = v_pool + key_offset(t);
-    __m512 vv[16];
-    for (int64_t c = 0; c < chunks; ++c) vv[c] = load_bf16(value + c * 16);
-    for (int64_t g = 0; g < group; ++g) {
+    const uint16_t* value = at(v_pool, page, offset);
+    if (++offset == ps) offset = 0, ++page;
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load_bf16(value + c * 16);
+    for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
-      for (int64_t c = 0; c < chunks; ++c) acc[g * chunks + c] = _mm512_fmadd_ps(p, vv[c], acc[g * chunks + c]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_ps(out + g * hd + c * 16, _mm512_mul_ps(acc[g * chunks + c], _mm512_set1_ps(inv_sum[g])));
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * hd + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
+}
+
+// As many query heads per pass over the keys as registers hold accumulators for (4 of head_dim 64).
+template <int C>
+void attend_group(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* pages, int64_t ps, int64_t token_stride,
+                  int64_t context, const float* q, float* out, int64_t group, std::vector<float>& scores) {
+  constexpr int64_t most = C == 4 ? 4 : C == 8 ? 2 : 1;
+  for (int64_t g0 = 0; g0 < group; g0 += most) {
+    const float* qg = q + g0 * C * 16;
+    float* og = out + g0 * C * 16;
+    switch (std::min(most, group - g0)) {
+      case 1: attend_heads<C, 1>(k_pool, v_pool, pages, ps, token_stride, context, qg, og, scores); break;
+      case 2: attend_heads<C, (most >= 2 ? 2 : 1)>(k_pool, v_pool, pages, ps, token_stride, context, qg, og, scores); break;
+      case 3: attend_heads<C, (most >= 3 ? 3 : 1)>(k_pool, v_pool, pages, ps, token_stride, context, qg, og, scores); break;
+      default: attend_heads<C, most>(k_pool, v_pool, pages, ps, token_stride, context, qg, og, scores); break;
+    }
+  }
+}
+
+// One sequence's query heads of KV head h against its keys in the pool.
+void attend(const Model& m, const Step& s, int64_t layer, const float* q, float* out, int64_t r, int64_t h, std::vector<float>& scores) {
+  const int64_t kvh = m.kv_heads, group = m.heads / kvh, token_stride = kvh * m.head_dim;
+  const int64_t* pages = s.page_tables + r * s.page_table_stride;
+  const uint16_t* k_pool = s.k_pool + layer * s.layer_stride + h * m.head_dim;
+  const uint16_t* v_pool = s.v_pool + layer * s.layer_stride + h * m.head_dim;
+  switch (m.head_dim) {
+    case 64: attend_group<4>(k_pool, v_pool, pages, s.page_size, token_stride, s.contexts[r], q, out, group, scores); break;
+    case 128: attend_group<8>(k_pool, v_pool, pages, s.page_size, token_stride, s.contexts[r], q, out, group, scores); break;
+    default: attend_group<16>(k_pool, v_pool, pages, s.page_size, token_stride, s.contexts[r], q, out, group, scores); break;
+  }
 }
 
 struct Buffers {
@@ -538,7 +586,7 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
 int lmq_step(const Model* model, const Step* step, int threads) {
   const Model& m = *model;
   const Step& s = *step;
-  if (m.head_dim % 16 || m.head_dim > 256 || m.heads % m.kv_heads || m.heads / m.kv_heads > 16) return 1;
+  if ((m.head_dim != 64 && m.head_dim != 128 && m.head_dim != 256) || m.heads % m.kv_heads || m.heads / m.kv_heads > 16) return 1;
   if (m.hidden % 64 || m.intermediate % 64 || (m.heads * m.head_dim) % 64 || m.vocab % kBlockN) return 1;
   const double started = omp_get_wtime();
   Buffers buffers(m, s.rows);
