@@ -41,7 +41,8 @@ REFERENCE_NAME = "smollm2-greedy.json"
 REFERENCE_DIRS = [Path(__file__).resolve().parents[2] / "shared" / "reference", Path("/work/shared/reference")]
 EOS_ID = 2  # the reference suppressed EOS (min_new_tokens) for all 32 steps
 CLEAR_MARGIN = 0.5  # logits between float32's best and second-best token
-MODES = ["bfloat16/none", "bfloat16/int4", "bfloat16/int8", "float32/int4"]
+# bfloat16/int4 runs on the native step where the CPU has AVX-512 VNNI (worker/model/native_llama.py); /torch: torch's
+MODES = ["bfloat16/none", "bfloat16/int4", "bfloat16/int4/torch", "bfloat16/int8", "float32/int4"]
 PAGE_SIZE = 16
 
 
@@ -147,8 +148,9 @@ def cpu_model() -> str:
 
 
 def load_mode(mode: str) -> LoadedModel:
-    dtype, quant = mode.split("/")
-    return load_model(dtype=dtype, quant=quant, device="cpu")
+    """"dtype/quant", or "dtype/quant/torch" for the torch steps where the native step would run (--cpu-steps torch)."""
+    dtype, quant, *steps = mode.split("/")
+    return load_model(dtype=dtype, quant=quant, device="cpu", cpu_steps=steps[0] if steps else "native")
 
 
 def _linears(loaded: LoadedModel, layer: int | None = None) -> list[torch.nn.Module]:
@@ -180,8 +182,8 @@ def _shuffle_rows(loaded: LoadedModel) -> None:
 
 # Deliberately broken modes (--broken): how far outside tests/test_reference.py's limits real bugs land.
 BROKEN = {
-    "bfloat16/int4, layer 15 of 30: down_proj zeroed": ("bfloat16/int4", _zero_down),
-    "bfloat16/int4, layer 15: int4 zero point one step low": ("bfloat16/int4", _zero_point_one_step_low),
+    "bfloat16/int4, layer 15 of 30: down_proj zeroed": ("bfloat16/int4/torch", _zero_down),
+    "bfloat16/int4, layer 15: int4 zero point one step low": ("bfloat16/int4/torch", _zero_point_one_step_low),
     "bfloat16/none, layer 15: o_proj rows shuffled": ("bfloat16/none", _shuffle_rows),
     "bfloat16/none, Gaussian noise of 2% of each weight's std, every layer": ("bfloat16/none", _noise),
 }
@@ -189,7 +191,7 @@ BROKEN = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", nargs="*", default=MODES, help="dtype/quant pairs to compare with float32/none")
+    parser.add_argument("--modes", nargs="*", default=MODES, help="dtype/quant[/torch] to compare with float32/none")
     parser.add_argument("--reference", type=Path, default=None, help=f"the reference JSON (default: {REFERENCE_NAME} in shared/reference)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--broken", action="store_true", help="also measure deliberately broken modes (a sanity check of the test's limits)")

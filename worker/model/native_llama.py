@@ -181,6 +181,9 @@ def attach_native_steps(model: torch.nn.Module, checkpoint: Checkpoint, max_rows
 
     if type(model) is not LlamaModel or model.embed_tokens.device.type != "cpu" or checkpoint.config.architecture != "llama":
         return False
+    if any(name.endswith(".bias") for name in checkpoint.weights):
+        log.info("native steps off: the checkpoint has biases, which the native step does not add")
+        return False
     if not _shapes_fit(model.config):
         log.info("native steps off: the model's shapes do not fit the kernel")
         return False
