@@ -82,7 +82,6 @@ class LlamaModel(torch.nn.Module):
         self.rotary = Rotary(config)
         self.native_steps = None  # worker/model/native_llama.py attaches it where the CPU can run it
 
-
     @torch.no_grad()
     def forward(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:
         if self.native_steps is not None and self.native_steps.takes(batch, kv):

@@ -96,7 +96,7 @@ class NativeLlamaSteps:
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module, checkpoint: Checkpoint, max_rows: int | None = None) -> None:
         config = model.config
         self.max_rows = max_rows
-        self.library, self.config, self.vocab = library, config, config.vocab_size
+        self.library, self.vocab = library, config.vocab_size
         # Every step on all the worker's threads: the native step wakes them once, not once per operator, so
         # even one row gains from two (worker/step_threads.py's rule is for torch's many small operators).
         self.threads = torch.get_num_threads()
@@ -105,14 +105,11 @@ class NativeLlamaSteps:
         self._layers = (LayerWeights * len(layers))(*layers)
         head_q, head_scale = head_int8(model.lm_head)
         self.head_rows = head_q.shape[0]
-        embed = model.embed_tokens.data
-        if embed.dtype != torch.bfloat16:
-            embed = embed.to(torch.bfloat16)
         self.struct = ModelStruct(
             layers=config.num_layers, hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
             head_dim=config.head_dim, intermediate=config.intermediate_size, vocab=self.head_rows,
             eps=config.rms_norm_eps, rope_factor=model.rotary.attention_factor,
-            inv_freq=self._pointer(model.rotary.inv_freq.float().contiguous()), embed=self._pointer(embed.contiguous()),
+            inv_freq=self._pointer(model.rotary.inv_freq.float().contiguous()), embed=self._pointer(model.embed_tokens.data),
             layer=ctypes.addressof(self._layers), final_norm=self._pointer(model.norm.weight.float().contiguous()),
             head=self._pointer(head_q), head_scale=self._pointer(head_scale),
         )  # fmt: skip
@@ -179,7 +176,9 @@ def attach_native_steps(model: torch.nn.Module, checkpoint: Checkpoint, max_rows
     """Give a plain LlamaModel on the CPU its native steps; False (and the model unchanged) where they cannot run."""
     from worker.model.llama import LlamaModel
 
-    if type(model) is not LlamaModel or model.embed_tokens.device.type != "cpu" or checkpoint.config.architecture != "llama":
+    if type(model) is not LlamaModel or checkpoint.config.architecture != "llama":
+        return False
+    if model.embed_tokens.device.type != "cpu" or model.embed_tokens.dtype != torch.bfloat16:
         return False
     if any(name.endswith(".bias") for name in checkpoint.weights):
         log.info("native steps off: the checkpoint has biases, which the native step does not add")
