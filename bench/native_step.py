@@ -19,24 +19,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worke
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 
+from bench.quality import cpu_model
 from worker.batch import PagedKV, StepBatch
 from worker.model.loader import load_model
 from worker.model.native_llama import PHASES
 
 PAGE = 16
-
-
-def cpu_model() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def decode_batch(batch: int, context: int, shared: int = 0) -> StepBatch:

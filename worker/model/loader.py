@@ -141,7 +141,7 @@ def load_model(
     model = build_model(
         checkpoint.config, checkpoint.weights, torch_dtype, quant, torch_device, checkpoint.name, dense_from_rows, head_int8_below
     )
-    if quant == "int4" and torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and cpu_steps == "native":
+    if quant == "int4" and cpu_steps == "native":  # attach_native_steps checks the device and dtype
         attach_native_steps(model, checkpoint, dense_from_rows)
     parameter_count = sum(math.prod(source.shape) for source in checkpoint.weights.values())
     log.info(

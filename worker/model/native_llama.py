@@ -79,14 +79,11 @@ def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The output head as (weights + 128 [N, K] u8, per-row scales [N] float32), its rows padded to BLOCK_N."""
     small = head.small if isinstance(head, TieredLinear) else head
-    if isinstance(small, Int8Linear):
-        q, scale = small.qweight, small.scale.float()
-    elif isinstance(small, DenseLinear):
-        weight = small.weight.float()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    else:
+    if isinstance(small, DenseLinear):
+        small = Int8Linear(small.weight, None, torch.float32)
+    if not isinstance(small, Int8Linear):
         raise TypeError(f"no native form for a head of type {type(small).__name__}")
+    q, scale = small.qweight, small.scale.float()
     pad = -q.shape[0] % BLOCK_N
     shifted = (q.to(torch.int16) + 128).to(torch.uint8)
     return torch.nn.functional.pad(shifted, (0, 0, 0, pad), value=128).contiguous(), torch.nn.functional.pad(scale, (0, pad)).contiguous()
