@@ -1,7 +1,7 @@
 """Engine steps of a Llama model in one native call (worker/native/llama_step.cpp), where the CPU allows.
 
 A torch step of a small model is hundreds of small operators; this runs the whole step (every layer,
-the head) as one function over float32 activations, with int4 x int8 VNNI dot products for the linears
+the head) as one function over float32 activations, with int4 x int16 VNNI dot products for the linears
 and attention that reads K/V straight from the paged pool. Every new token is a row: a decode is one
 row, a prompt chunk one row per token, each attending to its sequence's keys up to its own position.
 It owns a packed copy of the weights (the int4 blocks as the checkpoint stores them, the head in int8
@@ -61,32 +61,40 @@ class StepStruct(ctypes.Structure):
 
 
 def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Int4Blocks -> (nibbles [N, K/2] u8, scales [N, G] fp16, mins [N/16, G, 16] fp16): the layout the .cpp reads."""
-    q = blocks.q.to(torch.uint8)
+    """Int4Blocks -> (nibbles, scales, mins) as the .cpp reads them, blocks of 16 output rows, group by group.
+
+    nibbles [N/16, G, 4, 16, 2] int16: in group g, word (row n, e) of vector j holds 4 nibbles, the one at
+    bits 4s being the row's value 2p + e with p = 4j + s: shifted and masked, vector j gives the pairs
+    4j..4j+3 of all 16 rows, one vpdpwssd operand each.
+    scales and mins [N/16, G, 16] fp16 (value = scale * q + min).
+    """
+    q = blocks.q.to(torch.int32)
     n, k = q.shape
-    main = k - k % 128
-    chunks = q[:, :main].reshape(n, main // 128, 2, 64)
-    parts = [(chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, -1)]
-    if k % 128:
-        tail = q[:, main:].reshape(n, 2, 32)
-        parts.append(tail[:, 0] | (tail[:, 1] << 4))
-    nibbles = torch.cat(parts, dim=1).contiguous()
-    scales = blocks.scale.to(torch.float16).contiguous()
-    mins = (blocks.zero - 8 * blocks.scale).to(torch.float16)  # value = scale * q + min
-    return nibbles, scales, mins.view(n // BLOCK_N, BLOCK_N, -1).transpose(1, 2).contiguous()
+    pairs = q.reshape(n // BLOCK_N, BLOCK_N, k // INT4_GROUP, 4, 4, 2).permute(0, 2, 3, 4, 1, 5)  # [N/16, G, j, s, row, e]
+    words = sum(pairs[:, :, :, s] << (4 * s) for s in range(4))
+    nibbles = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16).contiguous()
+    mins = blocks.zero - 8 * blocks.scale
+    return nibbles, _by_block(blocks.scale.to(torch.float16)), _by_block(mins.to(torch.float16))
+
+
+def _by_block(per_row: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> [N/16, G, 16]: a group's values for 16 output rows side by side."""
+    n = per_row.shape[0]
+    return per_row.view(n // BLOCK_N, BLOCK_N, -1).transpose(1, 2).contiguous()
 
 
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output head as (weights + 128 [N, K] u8, per-row scales [N] float32), its rows padded to BLOCK_N."""
+    """The output head as (int8 weights [N/16, K/2, 16, 2], per-row scales [N] float32), its rows padded to BLOCK_N."""
     small = head.small if isinstance(head, TieredLinear) else head
     if isinstance(small, DenseLinear):
         small = Int8Linear(small.weight, None, torch.float32)
     if not isinstance(small, Int8Linear):
         raise TypeError(f"no native form for a head of type {type(small).__name__}")
-    q, scale = small.qweight, small.scale.float()
-    pad = -q.shape[0] % BLOCK_N
-    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
-    return torch.nn.functional.pad(shifted, (0, 0, 0, pad), value=128).contiguous(), torch.nn.functional.pad(scale, (0, pad)).contiguous()
+    pad = -small.qweight.shape[0] % BLOCK_N
+    q = torch.nn.functional.pad(small.qweight, (0, 0, 0, pad))
+    rows, k = q.shape
+    packed = q.view(rows // BLOCK_N, BLOCK_N, k // 2, 2).transpose(1, 2).contiguous()
+    return packed, torch.nn.functional.pad(small.scale.float(), (0, pad)).contiguous()
 
 
 class NativeLlamaSteps:
@@ -101,7 +109,7 @@ class NativeLlamaSteps:
         layers = [self._layer(model, checkpoint, index) for index in range(config.num_layers)]
         self._layers = (LayerWeights * len(layers))(*layers)
         head_q, head_scale = head_int8(model.lm_head)
-        self.head_rows = head_q.shape[0]
+        self.head_rows = head_q.shape[0] * BLOCK_N
         self.struct = ModelStruct(
             layers=config.num_layers, hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
             head_dim=config.head_dim, intermediate=config.intermediate_size, vocab=self.head_rows,
@@ -188,7 +196,7 @@ def attach_native_steps(model: torch.nn.Module, checkpoint: Checkpoint, max_rows
         return False
     model.native_steps = NativeLlamaSteps(library, model, checkpoint, max_rows)
     limit = f" of fewer than {max_rows} tokens" if max_rows else ""
-    log.info("steps%s run natively (int4 x int8 VNNI, one call per step)", limit)
+    log.info("steps%s run natively (int4 x int16 VNNI, one call per step)", limit)
     return True
 
 
