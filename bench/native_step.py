@@ -1,5 +1,8 @@
 """The native step against the torch step it replaces, and where the native step's milliseconds go.
 
+The native step is timed twice: as the default `--cpu-steps native` runs it (AMX tiles from
+AMX_FROM_ROWS rows where the CPU has them) and all on VNNI, as `--cpu-steps invariant` runs it.
+
     .venv/bin/python -m bench.native_step                       # decode batches 1, 4, 16 at context 64; a 36-token prompt
     .venv/bin/python -m bench.native_step --batches 16 --context 1100 --shared 1008 --prompt 0
 
@@ -87,9 +90,10 @@ def main() -> None:
     shape = (config.num_layers, pages, PAGE, config.num_kv_heads, config.head_dim)
     kv = PagedKV(k=torch.randn(shape).to(torch.bfloat16), v=torch.randn(shape).to(torch.bfloat16))
     print(f"{cpu_model()}, {os.cpu_count()} cores, {args.threads} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}")
-    print(f"{'step':42} {'torch ms':>9} {'native ms':>10} {'speed-up':>9}")
+    print(f"{'step':42} {'torch ms':>9} {'native ms':>10} {'speed-up':>9} {'invariant ms':>13}")
+    tiles_from = native.struct.amx_from_rows
     for label, batch in shapes:
-        timings: dict[str, list[float]] = {"torch": [], "native": []}
+        timings: dict[str, list[float]] = {"torch": [], "native": [], "invariant": []}
         phases = torch.zeros(len(PHASES), dtype=torch.float64)
         for _ in range(args.rounds):
             model.native_steps = None
@@ -100,8 +104,12 @@ def main() -> None:
             native.phase_seconds = phases
             timings["native"].append(median_ms(model, batch, kv, args.steps))
             native.phase_seconds = None
-        torch_ms, native_ms = (statistics.median(timings[path]) for path in ("torch", "native"))
-        print(f"{label:42} {torch_ms:9.1f} {native_ms:10.1f} {torch_ms / native_ms:8.1f}×")
+            native.struct.amx_from_rows = 0
+            model(batch, kv)
+            timings["invariant"].append(median_ms(model, batch, kv, args.steps))
+            native.struct.amx_from_rows = tiles_from
+        torch_ms, native_ms, invariant_ms = (statistics.median(timings[path]) for path in ("torch", "native", "invariant"))
+        print(f"{label:42} {torch_ms:9.1f} {native_ms:10.1f} {torch_ms / native_ms:8.1f}× {invariant_ms:13.1f}")
         per_step = phases / (args.rounds * args.steps) * 1000
         print("    native phases, ms per step (mean): " + ", ".join(f"{name} {ms:.2f}" for name, ms in zip(PHASES, per_step.tolist())))
 

@@ -2,8 +2,10 @@
 
 It serves the default model's steps in the default CPU mode, so it is held to the same quality bar as
 bfloat16/int4 (tests/test_reference.py, whose teacher forcing is one prompt chunk) over teacher-forced
-decode steps too. Its rows never share arithmetic, so a sequence's logits are bit-identical whatever it
-is batched with, however its prompt is chunked, and on any thread count.
+decode steps too. Its rows never share arithmetic; in the invariant mode (cpu_steps="invariant": every
+step on VNNI) a sequence's logits are bit-identical whatever it is batched with, however its prompt is
+chunked, and on any thread count. The default mode runs steps of AMX_FROM_ROWS rows and more on AMX
+tiles where the CPU has them: close to VNNI's, and invariant among such steps.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from reference_data import load_reference
 from test_reference import LIMITS
 from worker.batch import PagedKV
 from worker.model.loader import LoadedModel, load_model
+from worker.model.native_llama import AMX_FROM_ROWS, amx_usable
 from worker.native import build
 
 PAGE = 16
@@ -29,6 +32,18 @@ def int4_model() -> LoadedModel:
     loaded = load_model(dtype="bfloat16", quant="int4", device="cpu")
     assert loaded.model.native_steps is not None, "the loader attaches the native step where the CPU has VNNI and g++ exists"
     return loaded
+
+
+@pytest.fixture(scope="module")
+def invariant_model() -> LoadedModel:
+    loaded = load_model(dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")
+    native = loaded.model.native_steps
+    assert native.max_rows is None and native.struct.amx_from_rows == 0, "every step native, none on tiles"
+    return loaded
+
+
+def _tiles_here(loaded: LoadedModel) -> bool:
+    return amx_usable(loaded.model.native_steps.library)
 
 
 def _teacher_forced_decodes(loaded: LoadedModel, cases: list[dict]) -> list[torch.Tensor]:
@@ -84,24 +99,48 @@ def prefilled(int4_model: LoadedModel) -> tuple[PagedKV, list[list[int]]]:
     return kv, prompts
 
 
-def test_a_sequence_gets_the_same_logits_whatever_it_is_batched_with(int4_model: LoadedModel, prefilled) -> None:
+def test_a_sequence_gets_the_same_logits_whatever_it_is_batched_with(invariant_model: LoadedModel, prefilled) -> None:
     kv, prompts = prefilled
-    alone = _decode_logits(int4_model, kv, prompts, [2])
-    for rows in ([0, 1, 2, 3, 4], [2, 4], [4, 3, 2, 1, 0, 0, 1, 3, 4]):
-        batched = _decode_logits(int4_model, kv, prompts, rows)
+    alone = _decode_logits(invariant_model, kv, prompts, [2])
+    for rows in ([0, 1, 2, 3, 4], [2, 4], [4, 3, 2, 1, 0, 0, 1, 3, 4], [0, 1, 2, 3, 4] * 4):
+        batched = _decode_logits(invariant_model, kv, prompts, rows)
         assert torch.equal(batched[rows.index(2)], alone[0]), rows
 
 
 def test_thread_count_does_not_change_the_logits(int4_model: LoadedModel, prefilled) -> None:
     kv, prompts = prefilled
-    one, two = (_decode_logits(int4_model, kv, prompts, [0, 1, 2, 3, 4], threads) for threads in (1, 2))
-    assert torch.equal(one, two)
+    for rows in ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4] * 2):  # VNNI, and AMX tiles where the CPU has them
+        one, two = (_decode_logits(int4_model, kv, prompts, rows, threads) for threads in (1, 2))
+        assert torch.equal(one, two), len(rows)
 
 
-def test_native_step_writes_the_kv_and_logits_the_torch_path_would(int4_model: LoadedModel, prefilled) -> None:
+def test_steps_on_tiles_stay_close_to_vnni_and_invariant_among_themselves(int4_model: LoadedModel, prefilled) -> None:
+    if not _tiles_here(int4_model):
+        pytest.skip("no AMX tiles on this CPU")
+    kv, prompts = prefilled
+    native = int4_model.model.native_steps
+    assert native.struct.amx_from_rows == AMX_FROM_ROWS
+    rows = [0, 1, 2, 3, 4] * 2
+    tiles = _decode_logits(int4_model, kv, prompts, rows)
+    native.struct.amx_from_rows = 0
+    try:
+        vnni = _decode_logits(int4_model, kv, prompts, rows)
+    finally:
+        native.struct.amx_from_rows = AMX_FROM_ROWS
+    assert not torch.equal(tiles, vnni), "the tiles ran"
+    kl = torch.nn.functional.kl_div(tiles.log_softmax(-1), vnni.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    assert kl.max() < 0.02, kl
+    for others in ([2, 0, 1, 3, 4, 4], [4, 3, 2, 1, 0] * 3 + [2]):  # 6 and 16 rows: a row's tile product is its own
+        batched = _decode_logits(int4_model, kv, prompts, others)
+        assert torch.equal(batched[others.index(2)], tiles[2]), len(others)
+
+
+@pytest.mark.parametrize("copies", [1, 2])  # 5 rows on VNNI; 10 on AMX tiles where the CPU has them
+def test_native_step_writes_the_kv_and_logits_the_torch_path_would(int4_model: LoadedModel, prefilled, copies: int) -> None:
     kv, prompts = prefilled
     model = int4_model.model
-    batch = make_batch([Chunk([11], len(p), list(range(i * 4, i * 4 + 4))) for i, p in enumerate(prompts)], PAGE)
+    chunks = [Chunk([11], len(p), list(range(i * 4, i * 4 + 4))) for i, p in enumerate(prompts)]
+    batch = make_batch(chunks * copies, PAGE)
     native_kv, torch_kv = PagedKV(k=kv.k.clone(), v=kv.v.clone()), PagedKV(k=kv.k.clone(), v=kv.v.clone())
     native_logits = model.native_steps.forward(batch, native_kv)
     saved, model.native_steps = model.native_steps, None
@@ -124,10 +163,10 @@ def test_native_step_writes_the_kv_and_logits_the_torch_path_would(int4_model: L
     assert (native_logits.argmax(-1) == torch_logits.argmax(-1)).float().mean() >= 0.8
 
 
-def test_a_prompt_in_one_chunk_gives_what_decoding_it_token_by_token_gives(int4_model: LoadedModel) -> None:
-    model, prompt = int4_model.model, [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30]
-    chunked = allocate_kv(int4_model.config, num_pages=2, page_size=PAGE, dtype=torch.bfloat16)
-    stepped = allocate_kv(int4_model.config, num_pages=2, page_size=PAGE, dtype=torch.bfloat16)
+def test_a_prompt_in_one_chunk_gives_what_decoding_it_token_by_token_gives(invariant_model: LoadedModel) -> None:
+    model, prompt = invariant_model.model, [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30]
+    chunked = allocate_kv(invariant_model.config, num_pages=2, page_size=PAGE, dtype=torch.bfloat16)
+    stepped = allocate_kv(invariant_model.config, num_pages=2, page_size=PAGE, dtype=torch.bfloat16)
     whole = model(make_batch([Chunk(prompt, 0, [0])], PAGE), chunked)
     for position, token in enumerate(prompt):
         last = model(make_batch([Chunk([token], position, [0])], PAGE), stepped)
@@ -135,13 +174,13 @@ def test_a_prompt_in_one_chunk_gives_what_decoding_it_token_by_token_gives(int4_
     assert torch.equal(chunked.k, stepped.k) and torch.equal(chunked.v, stepped.v)
 
 
-def test_a_prompt_chunk_next_to_decodes_changes_neither(int4_model: LoadedModel, prefilled) -> None:
+def test_a_prompt_chunk_next_to_decodes_changes_neither(invariant_model: LoadedModel, prefilled) -> None:
     kv, prompts = prefilled
-    decodes = _decode_logits(int4_model, kv, prompts, [0, 1])
+    decodes = _decode_logits(invariant_model, kv, prompts, [0, 1])
     prompt = [1, 9690, 198, 2683, 359]
-    alone = int4_model.model(make_batch([Chunk(prompt, 0, [19])], PAGE), PagedKV(k=kv.k.clone(), v=kv.v.clone()))
+    alone = invariant_model.model(make_batch([Chunk(prompt, 0, [19])], PAGE), PagedKV(k=kv.k.clone(), v=kv.v.clone()))
     mixed_batch = make_batch([Chunk([7], len(prompts[0]), [0, 1, 2, 3]), Chunk(prompt, 0, [19]), Chunk([7], len(prompts[1]), [4, 5, 6, 7])], PAGE)
-    mixed = int4_model.model(mixed_batch, PagedKV(k=kv.k.clone(), v=kv.v.clone()))
+    mixed = invariant_model.model(mixed_batch, PagedKV(k=kv.k.clone(), v=kv.v.clone()))
     assert torch.equal(mixed[0], decodes[0]) and torch.equal(mixed[2], decodes[1]) and torch.equal(mixed[1], alone[0])
 
 

@@ -20,7 +20,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", "none", "int8", "int4")
-CPU_STEPS = ("native", "torch")
+CPU_STEPS = ("native", "invariant", "torch")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -38,7 +38,7 @@ class WorkerConfig:
     quant: str = field(default="auto", metadata={"help": "weight mode: auto, none, int8, int4"})
     device: str = field(default="auto", metadata={"help": "torch device: auto (cuda when present), cpu, cuda, cuda:N"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch's default"})
-    cpu_steps: str = field(default="native", metadata={"help": "an int4 Llama model's steps on a CPU: native (one C++ call per step where the CPU has AVX-512 VNNI) or torch"})
+    cpu_steps: str = field(default="native", metadata={"help": "an int4 Llama model's steps on a CPU: native (one C++ call per step where the CPU has AVX-512 VNNI), invariant (native, and a request's tokens independent of its batch) or torch"})
     kv_memory: str = field(default="auto", metadata={"help": "KV cache budget, e.g. 512MiB or 4GiB; auto = a default per device"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     max_seqs: int = field(default=64, metadata={"help": "most sequences running at once"})

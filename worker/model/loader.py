@@ -123,7 +123,8 @@ def load_model(
 ) -> LoadedModel:
     """cpu_steps "native": bfloat16/int4 on a CPU with AVX-512 VNNI (and a C++ compiler, once) runs a Llama model's
     steps of fewer than DENSE_FROM_ROWS tokens as one native call each (worker/model/native_llama.py): the default
-    model's decode step at batch 1, 24 -> 5 ms on one core of the Intel machine; "torch" keeps every step on torch."""
+    model's decode step at batch 1, 24 -> 3 ms on two cores of the Intel machine; "invariant": every step native and
+    batch-invariant (no AMX tiles, no torch for long prompts); "torch" keeps every step on torch."""
     model_path = pathlib.Path(path) if path else default_model_path()
     torch_device = resolve_device(device)
     # The measured choice (weight_choice.py) stays off until its tiered weights pass the reference and
@@ -141,8 +142,8 @@ def load_model(
     model = build_model(
         checkpoint.config, checkpoint.weights, torch_dtype, quant, torch_device, checkpoint.name, dense_from_rows, head_int8_below
     )
-    if quant == "int4" and cpu_steps == "native":  # attach_native_steps checks the device and dtype
-        attach_native_steps(model, checkpoint, dense_from_rows)
+    if quant == "int4" and cpu_steps != "torch":  # attach_native_steps checks the device and dtype
+        attach_native_steps(model, checkpoint, dense_from_rows, invariant=cpu_steps == "invariant")
     parameter_count = sum(math.prod(source.shape) for source in checkpoint.weights.values())
     log.info(
         "loaded %s from %s: %.1fM parameters, dtype %s, quant %s%s, device %s",

@@ -31,6 +31,9 @@ from worker.native import build
 log = logging.getLogger(__name__)
 
 BLOCK_N = 16  # output rows the kernel computes together
+# Steps of this many rows and more run their linears on AMX tiles where the CPU has them: a tile product
+# costs the same for 1 row as for 16, VNNI's grow with the rows (docs/benchmarks.md, "AMX tiles").
+AMX_FROM_ROWS = 6
 PHASES = ("embedding, rope tables", "norms + quantizing x", "q/k/v", "rope + K/V write", "attention", "o_proj (+ quantizing)",
           "gate/up", "SiLU·mul (+ quantizing)", "down", "final norm + head")  # fmt: skip
 
@@ -49,6 +52,7 @@ class ModelStruct(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")] + [
         ("eps", ctypes.c_float), ("rope_factor", ctypes.c_float), ("inv_freq", ctypes.c_void_p), ("embed", ctypes.c_void_p),
         ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p), ("head_scale", ctypes.c_void_p),
+        ("amx_from_rows", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -98,7 +102,9 @@ def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class NativeLlamaSteps:
-    def __init__(self, library: ctypes.CDLL, model: torch.nn.Module, checkpoint: Checkpoint, max_rows: int | None = None) -> None:
+    def __init__(
+        self, library: ctypes.CDLL, model: torch.nn.Module, checkpoint: Checkpoint, max_rows: int | None = None, amx_from_rows: int = 0
+    ) -> None:
         config = model.config
         self.max_rows = max_rows
         self.library, self.vocab = library, config.vocab_size
@@ -116,7 +122,7 @@ class NativeLlamaSteps:
             eps=config.rms_norm_eps, rope_factor=model.rotary.attention_factor,
             inv_freq=self._pointer(model.rotary.inv_freq.float().contiguous()), embed=self._pointer(model.embed_tokens.data),
             layer=ctypes.addressof(self._layers), final_norm=self._pointer(model.norm.weight.float().contiguous()),
-            head=self._pointer(head_q), head_scale=self._pointer(head_scale),
+            head=self._pointer(head_q), head_scale=self._pointer(head_scale), amx_from_rows=amx_from_rows,
         )  # fmt: skip
         library.lmq_step.argtypes = [ctypes.POINTER(ModelStruct), ctypes.POINTER(StepStruct), ctypes.c_int]
         library.lmq_step.restype = ctypes.c_int
@@ -177,8 +183,17 @@ class NativeLlamaSteps:
         return logits[:, : self.vocab]
 
 
-def attach_native_steps(model: torch.nn.Module, checkpoint: Checkpoint, max_rows: int | None = None) -> bool:
-    """Give a plain LlamaModel on the CPU its native steps; False (and the model unchanged) where they cannot run."""
+def amx_usable(library: ctypes.CDLL) -> bool:
+    """Whether the linears can run on AMX tiles here: the CPU has them and the kernel grants their state."""
+    return {"amx_tile", "amx_bf16"} <= build.cpu_flags() and library.lmq_amx_enable() == 1
+
+
+def attach_native_steps(model: torch.nn.Module, checkpoint: Checkpoint, max_rows: int | None = None, invariant: bool = False) -> bool:
+    """Give a plain LlamaModel on the CPU its native steps; False (and the model unchanged) where they cannot run.
+
+    invariant: every step native and on VNNI, whatever its size, so that a sequence's tokens do not depend
+    on what it is batched with (max_rows and AMX tiles, which change the arithmetic of large steps, off).
+    """
     from worker.model.llama import LlamaModel
 
     if type(model) is not LlamaModel or checkpoint.config.architecture != "llama":
@@ -194,9 +209,11 @@ def attach_native_steps(model: torch.nn.Module, checkpoint: Checkpoint, max_rows
     library = build.load()
     if library is None:
         return False
-    model.native_steps = NativeLlamaSteps(library, model, checkpoint, max_rows)
-    limit = f" of fewer than {max_rows} tokens" if max_rows else ""
-    log.info("steps%s run natively (int4 x int16 VNNI, one call per step)", limit)
+    amx_from_rows = 0 if invariant or not amx_usable(library) else AMX_FROM_ROWS
+    model.native_steps = NativeLlamaSteps(library, model, checkpoint, None if invariant else max_rows, amx_from_rows)
+    limit = f" of fewer than {max_rows} tokens" if max_rows and not invariant else ""
+    tiles = f", from {amx_from_rows} rows on AMX tiles" if amx_from_rows else ""
+    log.info("steps%s run natively (one call per step; linears int4 x int16 on VNNI%s)", limit, tiles)
     return True
 
 

@@ -22,8 +22,9 @@ import time
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("llama_step.cpp")
+HEADERS = (SOURCE.with_name("amx_linear.h"),)  # included by SOURCE: part of the cache key
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-         "-mavx512vnni", "-mfma", "-mf16c")  # fmt: skip
+         "-mavx512vnni", "-mfma", "-mf16c", "-mamx-tile", "-mamx-bf16")  # fmt: skip
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c")
 
 
@@ -57,7 +58,8 @@ def cache_dir() -> pathlib.Path:
 
 
 def library_path() -> pathlib.Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    key = hashlib.sha256(sources + " ".join(FLAGS).encode()).hexdigest()[:16]
     return cache_dir() / f"llama_step_{key}.so"
 
 

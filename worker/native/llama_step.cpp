@@ -64,6 +64,7 @@ struct Model {
   const float* final_norm;  // [hidden]
   const int8_t* head;       // [vocab / 16, hidden / 2, 16, 2] int8
   const float* head_scale;  // [vocab]
+  int64_t amx_from_rows;    // steps of at least this many rows run their linears on AMX tiles (amx_linear.h); 0: none
 };
 
 struct Step {
@@ -86,6 +87,7 @@ struct Step {
 
 int lmq_step(const Model* model, const Step* step, int threads);
 int lmq_step_phases();
+int lmq_amx_enable();
 }
 
 namespace {
@@ -286,6 +288,8 @@ void int8_head(const Model& m, const QuantizedRows& x, int64_t rows, float* out)
   }
 }
 
+#include "amx_linear.h"
+
 // ---- per-row pieces ----
 
 void rms_norm(const float* x, const float* weight, int64_t k, float eps, float* out) {
@@ -425,7 +429,12 @@ struct Buffers {
   std::vector<float> hidden, normed, qkv, attention, gate_up, cos, sin;
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
-  QuantizedRows quantized;
+  QuantizedRows quantized;  // x for VNNI, and always for the head
+  bool amx;                 // this step's linears on AMX tiles
+  std::vector<uint16_t> bf16;
+  std::vector<float> bf16_sum;
+  Bf16Rows bf16_rows;  // x for AMX
+
 
   Buffers(const Model& m, int64_t rows) {
     const int64_t widest = std::max({m.hidden, m.intermediate, m.heads * m.head_dim}), qkv_n = (m.heads + 2 * m.kv_heads) * m.head_dim;
@@ -440,11 +449,33 @@ struct Buffers {
     scale.resize(rows * widest / kGroup);
     sum.resize(rows * widest / kGroup);
     quantized = QuantizedRows{q.data(), scale.data(), sum.data(), widest};
+    amx = m.amx_from_rows > 0 && rows >= m.amx_from_rows;
+    if (amx) {
+      const int64_t padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
+      bf16.resize(padded * widest);
+      bf16_sum.resize(padded * widest / kGroup);
+      bf16_rows = Bf16Rows{bf16.data(), bf16_sum.data(), widest};
+    }
   }
 };
 
-// Each of the team's rows: normalise (when norm is given) and quantize rows of x [rows, k].
-void quantize_rows(const float* x, int64_t rows, int64_t k, const float* norm, float eps, Buffers& b) {
+// Row r of x as the linears' kernel takes it.
+void encode_row(const float* x, int64_t k, Buffers& b, int64_t r) {
+  if (b.amx)
+    bf16_row(x, k, b.bf16_rows, r);
+  else
+    quantize_row(x, k, b.quantized, r);
+}
+
+void linear(const Int4Matrix& w, const Buffers& b, int64_t rows, float* out, bool accumulate) {
+  if (b.amx)
+    amx_int4_linear(w, b.bf16_rows, rows, out, accumulate);
+  else
+    int4_linear(w, b.quantized, rows, out, accumulate);
+}
+
+// Each of the team's rows: normalise (when norm is given) and encode rows of x [rows, k].
+void encode_rows(const float* x, int64_t rows, int64_t k, const float* norm, float eps, Buffers& b) {
   int64_t begin, end;
   share(rows, begin, end);
   for (int64_t r = begin; r < end; ++r) {
@@ -453,7 +484,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, const float* norm, f
       rms_norm(row, norm, k, eps, b.normed.data() + r * k);
       row = b.normed.data() + r * k;
     }
-    quantize_row(row, k, b.quantized, r);
+    encode_row(row, k, b, r);
   }
 #pragma omp barrier
 }
@@ -477,9 +508,9 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
   const int64_t q_size = m.heads * hd, qkv_n = q_size + 2 * kvh * hd;
   int64_t begin, end;
 
-  quantize_rows(b.hidden.data(), rows, m.hidden, w.input_norm, m.eps, b);
+  encode_rows(b.hidden.data(), rows, m.hidden, w.input_norm, m.eps, b);
   clock.mark(1);
-  int4_linear(w.qkv, b.quantized, rows, b.qkv.data(), false);
+  linear(w.qkv, b, rows, b.qkv.data(), false);
 #pragma omp barrier
   clock.mark(2);
   share(rows, begin, end);
@@ -503,24 +534,24 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
   }
 #pragma omp barrier
   clock.mark(4);
-  quantize_rows(b.attention.data(), rows, q_size, nullptr, 0.f, b);
-  int4_linear(w.o, b.quantized, rows, b.hidden.data(), true);
+  encode_rows(b.attention.data(), rows, q_size, nullptr, 0.f, b);
+  linear(w.o, b, rows, b.hidden.data(), true);
 #pragma omp barrier
   clock.mark(5);
-  quantize_rows(b.hidden.data(), rows, m.hidden, w.post_norm, m.eps, b);
+  encode_rows(b.hidden.data(), rows, m.hidden, w.post_norm, m.eps, b);
   clock.mark(1);
-  int4_linear(w.gate_up, b.quantized, rows, b.gate_up.data(), false);
+  linear(w.gate_up, b, rows, b.gate_up.data(), false);
 #pragma omp barrier
   clock.mark(6);
   share(rows, begin, end);
   for (int64_t r = begin; r < end; ++r) {
     float* act = b.normed.data() + r * m.intermediate;
     silu_mul(b.gate_up.data() + r * 2 * m.intermediate, m.intermediate, act);
-    quantize_row(act, m.intermediate, b.quantized, r);
+    encode_row(act, m.intermediate, b, r);
   }
 #pragma omp barrier
   clock.mark(7);
-  int4_linear(w.down, b.quantized, rows, b.hidden.data(), true);
+  linear(w.down, b, rows, b.hidden.data(), true);
 #pragma omp barrier
   clock.mark(8);
 }
@@ -540,6 +571,7 @@ void prepare_rows(const Model& m, const Step& s, Buffers& b) {
 }
 
 void run_step(const Model& m, const Step& s, Buffers& b) {
+  if (b.amx) configure_tiles(s.rows);
   std::vector<float> scores;
   PhaseClock clock(s.phase_seconds);
   for (int64_t index = 0; index < m.layers; ++index) layer_step(m, s, index, b, scores, clock);
@@ -553,6 +585,7 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
   int8_head(m, b.quantized, s.logit_count, s.logits);
 #pragma omp barrier
   clock.mark(9);
+  if (b.amx) _tile_release();
 }
 
 }  // namespace
@@ -576,3 +609,5 @@ int lmq_step(const Model* model, const Step* step, int threads) {
 }
 
 int lmq_step_phases() { return kPhases; }
+
+int lmq_amx_enable() { return request_amx() ? 1 : 0; }

@@ -1,0 +1,158 @@
+// The int4 linears on AMX tiles (Intel Sapphire Rapids and later), included by llama_step.cpp, which
+// uses them for every step where the CPU has AMX and the kernel allows its use (lmq_amx_enable).
+//
+// Why: on VNNI a 16-row step is bound by its vpdpwssd (32 products each, one a cycle): 12 of its 18 ms.
+// One tile product (TDPBF16PS) does 8,192: a group of 32 k values for 16 rows x 16 outputs. The weights
+// go in exactly: a nibble q becomes the bfloat16 of q - 8 through a 16-entry table, so a group's dot
+// product is a * sum (q - 8) x + (m + 8a) sum x, with x rounded to bfloat16 (torch's int4 path rounds
+// it the same way) and the products summed in float32 by the tile unit.
+// A row's arithmetic does not depend on the other rows of its tile, so steps stay batch-invariant; they
+// are not bit-identical to the VNNI path's (a worker uses one of the two for all its steps).
+//
+// Tiles: 0 = C (16 rows x 16 float32), 1 = A (16 rows of x, 32 bfloat16), 2 = B (16 pairs x 16 outputs).
+// A step of more than 16 rows runs tiles of 16, the last one padded (the x buffer's rows are padded to
+// a multiple of 16, and C's extra rows ignored).
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+constexpr int kTileRows = 16;
+
+// x rows in bfloat16, and each group's sum of them (for the m term), [rows padded to 16, stride].
+struct Bf16Rows {
+  uint16_t* values;
+  float* sum;  // [rows, stride / 32]
+  int64_t stride;
+};
+
+void bf16_row(const float* x, int64_t k, const Bf16Rows& out, int64_t r) {
+  uint16_t* values = out.values + r * out.stride;
+  float* sums = out.sum + r * (out.stride / kGroup);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    uint16_t* v = values + g * kGroup;
+    store_bf16(v, _mm512_loadu_ps(x + g * kGroup));
+    store_bf16(v + 16, _mm512_loadu_ps(x + g * kGroup + 16));
+    sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(load_bf16(v), load_bf16(v + 16)));
+  }
+}
+
+// Each thread that runs tiles loads the configuration once per step (and releases it at the end). A and
+// C have as many rows as the step's tiles (all of a step's linears have its rows): a product's time and
+// C's store scale with them, which is what makes a decode of one row cheap.
+void configure_tiles(int64_t rows) {
+  // palette 1; bytes 16 + 2t: tile t's bytes per row; byte 48 + t: its rows. Tiles C, A, B: 0, 1, 2 and 3, 4, 5.
+  alignas(64) uint8_t config[64] = {1};
+  const uint8_t tile_rows = static_cast<uint8_t>(std::min<int64_t>(rows, kTileRows));
+  for (int t = 0; t < 6; ++t) {
+    config[16 + 2 * t] = 64;
+    config[48 + t] = t % 3 == 2 ? kGroup / 2 : tile_rows;
+  }
+  asm volatile("" : : "r"(config) : "memory");  // GCC 12 dropped some of the stores above without it
+  _tile_loadconfig(config);
+}
+
+// c = a @ b on tile set 0 (tiles C, A, B = 0, 1, 2) or 1 (3, 4, 5). The intrinsics paste the tile number
+// into the instruction's text, so each set is written out.
+template <int Set>
+inline void tile_product(const uint16_t* a, int64_t a_stride, const void* b, void* c);
+template <>
+inline void tile_product<0>(const uint16_t* a, int64_t a_stride, const void* b, void* c) {
+  _tile_loadd(2, b, 64);
+  _tile_loadd(1, a, a_stride);
+  _tile_zero(0);
+  _tile_dpbf16ps(0, 1, 2);
+  _tile_stored(0, c, 64);
+}
+template <>
+inline void tile_product<1>(const uint16_t* a, int64_t a_stride, const void* b, void* c) {
+  _tile_loadd(5, b, 64);
+  _tile_loadd(4, a, a_stride);
+  _tile_zero(3);
+  _tile_dpbf16ps(3, 4, 5);
+  _tile_stored(3, c, 64);
+}
+
+// One group of a block into acc (x rows [r0, r0 + MR)), on tile set Set.
+template <int MR, int Set>
+inline void amx_group(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int64_t r0, int64_t g, uint16_t (*b_tile)[32], float (*c_tile)[16], __m512* acc) {
+  const __m512i low4 = _mm512_set1_epi16(0x0F), bf16_128 = _mm512_set1_epi16(0x4300);
+  const int64_t groups = w.k / kGroup, per_row = x.stride / kGroup, at = block * groups + g;
+  const uint8_t* packed = w.nibbles + at * kInt4GroupBytes;
+  prefetch_group(packed, kInt4GroupBytes);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(packed + 64 * j);
+    for (int s = 0; s < 4; ++s)
+      _mm512_store_si512(b_tile[4 * j + s], _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4 * s), low4, bf16_128, 0xEA));  // (v & 15) | 0x4300
+  }
+  tile_product<Set>(x.values + r0 * x.stride + g * kGroup, x.stride * sizeof(uint16_t), b_tile, c_tile);
+  const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at * kBlockN)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + at * kBlockN)));
+  const __m512 offset_m = _mm512_fnmadd_ps(a, _mm512_set1_ps(128.f), m);
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c_tile[r]), a, acc[r]);
+    acc[r] = _mm512_fmadd_ps(offset_m, _mm512_set1_ps(x.sum[(r0 + r) * per_row + g]), acc[r]);
+  }
+}
+
+// Output columns [16 * block, +16) for x rows [r0, r0 + MR), MR <= 16; accumulate: out += y, else out = y.
+// Groups go in pairs on the two sets of tiles and buffers, so one's product overlaps the other's
+// unpacking (a tile is not renamed: a set's next load waits for its last product).
+template <int MR>
+void amx_int4_block(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
+  alignas(64) uint16_t b_tiles[2][kGroup / 2][32];
+  alignas(64) float c_tiles[2][kTileRows][16];
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.k / kGroup; g += 2) {  // K is a multiple of 64
+    amx_group<MR, 0>(w, block, x, r0, g, b_tiles[0], c_tiles[0], acc);
+    amx_group<MR, 1>(w, block, x, r0, g + 1, b_tiles[1], c_tiles[1], acc);
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* o = out + (r0 + r) * out_stride + block * kBlockN;
+    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), acc[r]) : acc[r]);
+  }
+}
+
+#define LMQ_DISPATCH_TILE(rows, call) \
+  switch (rows) {                     \
+    case 1: call(1); break;           \
+    case 2: call(2); break;           \
+    case 3: call(3); break;           \
+    case 4: call(4); break;           \
+    case 5: call(5); break;           \
+    case 6: call(6); break;           \
+    case 7: call(7); break;           \
+    case 8: call(8); break;           \
+    case 9: call(9); break;           \
+    case 10: call(10); break;         \
+    case 11: call(11); break;         \
+    case 12: call(12); break;         \
+    case 13: call(13); break;         \
+    case 14: call(14); break;         \
+    case 15: call(15); break;         \
+    default: call(16); break;         \
+  }
+
+// out [rows, w.n] (= or +=) x @ w^T, the team splitting the column blocks.
+void amx_int4_linear(const Int4Matrix& w, const Bf16Rows& x, int64_t rows, float* out, bool accumulate) {
+  int64_t begin, end;
+  share(w.n / kBlockN, begin, end);
+  for (int64_t b = begin; b < end; ++b) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int64_t tile = std::min<int64_t>(kTileRows, rows - r0);
+#define LMQ_AMX(MR) amx_int4_block<MR>(w, b, x, r0, out, w.n, accumulate)
+      LMQ_DISPATCH_TILE(tile, LMQ_AMX)
+#undef LMQ_AMX
+    }
+  }
+}
+
+// Whether this process may use AMX: the kernel must grant the tile state (Linux 5.16+), once per process.
+bool request_amx() {
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
+}  // namespace
