@@ -149,6 +149,41 @@ void amx_int4_linear(const Int4Matrix& w, const Bf16Rows& x, int64_t rows, float
   }
 }
 
+// The output head: its int8 weights turned into bfloat16 (exact: integers below 128) group by group, and,
+// with one scale per output row, the products of all groups summed in tile C.
+void amx_head(const Model& m, const Bf16Rows& x, int64_t rows, float* out) {
+  alignas(64) uint16_t b_tile[kGroup / 2][32];
+  alignas(64) float c_tile[kTileRows][16];
+  __m512i high_halves;  // word 2i + 1 of two float vectors side by side: their bfloat16s, in order
+  alignas(64) uint16_t odd[32];
+  for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
+  high_halves = _mm512_load_si512(odd);
+  int64_t begin, end;
+  share(m.vocab / kBlockN, begin, end);
+  for (int64_t b = begin; b < end; ++b) {
+    const int8_t* weights = m.head + b * kBlockN * m.hidden;
+    const __m512 scale = _mm512_loadu_ps(m.head_scale + b * kBlockN);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      _tile_zero(0);
+      for (int64_t g = 0; g < m.hidden / kGroup; ++g) {
+        const int8_t* bytes = weights + g * kGroup * kBlockN;
+        prefetch_group(reinterpret_cast<const uint8_t*>(bytes), kGroup * kBlockN);
+        for (int p = 0; p < kGroup / 2; ++p) {
+          const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * p))));
+          const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * p + 16))));
+          _mm512_store_si512(b_tile[p], _mm512_permutex2var_epi16(_mm512_castps_si512(low), high_halves, _mm512_castps_si512(high)));
+        }
+        _tile_loadd(2, b_tile, 64);
+        _tile_loadd(1, x.values + r0 * x.stride + g * kGroup, x.stride * sizeof(uint16_t));
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, c_tile, 64);
+      for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - r0); ++r)
+        _mm512_storeu_ps(out + (r0 + r) * m.vocab + b * kBlockN, _mm512_mul_ps(_mm512_load_ps(c_tile[r]), scale));
+    }
+  }
+}
+
 // Whether this process may use AMX: the kernel must grant the tile state (Linux 5.16+), once per process.
 bool request_amx() {
   constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA

@@ -577,12 +577,20 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
   for (int64_t index = 0; index < m.layers; ++index) layer_step(m, s, index, b, scores, clock);
   int64_t begin, end;
   share(s.logit_count, begin, end);
+  const bool head_on_tiles = b.amx && s.logit_count >= m.amx_from_rows;  // a prompt chunk's one row: VNNI
   for (int64_t i = begin; i < end; ++i) {
+    const float* normed = b.normed.data() + i * m.hidden;
     rms_norm(b.hidden.data() + s.logit_rows[i] * m.hidden, m.final_norm, m.hidden, m.eps, b.normed.data() + i * m.hidden);
-    quantize_row(b.normed.data() + i * m.hidden, m.hidden, b.quantized, i);
+    if (head_on_tiles)
+      bf16_row(normed, m.hidden, b.bf16_rows, i);
+    else
+      quantize_row(normed, m.hidden, b.quantized, i);
   }
 #pragma omp barrier
-  int8_head(m, b.quantized, s.logit_count, s.logits);
+  if (head_on_tiles)
+    amx_head(m, b.bf16_rows, s.logit_count, s.logits);
+  else
+    int8_head(m, b.quantized, s.logit_count, s.logits);
 #pragma omp barrier
   clock.mark(9);
   if (b.amx) _tile_release();
