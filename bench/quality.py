@@ -148,7 +148,7 @@ def cpu_model() -> str:
 
 
 def load_mode(mode: str) -> LoadedModel:
-    """"dtype/quant", or "dtype/quant/torch" for the torch steps where the native step would run (--cpu-steps torch)."""
+    """"dtype/quant", or "dtype/quant/STEPS" with a --cpu-steps value (torch, invariant) where the native step would run."""
     dtype, quant, *steps = mode.split("/")
     return load_model(dtype=dtype, quant=quant, device="cpu", cpu_steps=steps[0] if steps else "native")
 
@@ -191,7 +191,7 @@ BROKEN = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", nargs="*", default=MODES, help="dtype/quant[/torch] to compare with float32/none")
+    parser.add_argument("--modes", nargs="*", default=MODES, help="dtype/quant[/torch or /invariant] to compare with float32/none")
     parser.add_argument("--reference", type=Path, default=None, help=f"the reference JSON (default: {REFERENCE_NAME} in shared/reference)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--broken", action="store_true", help="also measure deliberately broken modes (a sanity check of the test's limits)")

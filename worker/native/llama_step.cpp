@@ -22,13 +22,16 @@
 //   nibbles [N/16, K/32, 4, 16, 2] int16: vector j's words hold 4 nibbles, pairs 4j..4j+3;
 //   scales, mins [N/16, K/32, 16] fp16 (a, m).
 // The output head is int8 per row ([N/16, K/2, 16, 2]), widened to int16 as it is read: y = s d sum qx w.
+// On a CPU with AMX, steps of Model::amx_from_rows rows or more run the linears (and, with as many logit
+// rows, the head) on bfloat16 tiles instead: amx_linear.h.
 //
 // Attention reads K/V in place from the paged pool (bfloat16 [pages, page_size, kv_heads, head_dim] per
 // layer), one (sequence, KV head) at a time with its query heads together: scores, softmax, values.
 //
 // Threads: one OpenMP team for the whole step; each phase splits its work statically over the team
-// and ends at a barrier. Every row's arithmetic is the same whatever else is in the step (rows never
-// share a reduction), so a sequence's tokens do not depend on what it is batched with.
+// and ends at a barrier. A row's arithmetic depends on nothing else in the step (rows never share a
+// reduction) but the kernel its step's size picks (VNNI or tiles); with tiles off (cpu_steps
+// "invariant") a sequence's tokens do not depend on what it is batched with.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -579,8 +582,8 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
   share(s.logit_count, begin, end);
   const bool head_on_tiles = b.amx && s.logit_count >= m.amx_from_rows;  // a prompt chunk's one row: VNNI
   for (int64_t i = begin; i < end; ++i) {
-    const float* normed = b.normed.data() + i * m.hidden;
-    rms_norm(b.hidden.data() + s.logit_rows[i] * m.hidden, m.final_norm, m.hidden, m.eps, b.normed.data() + i * m.hidden);
+    float* normed = b.normed.data() + i * m.hidden;
+    rms_norm(b.hidden.data() + s.logit_rows[i] * m.hidden, m.final_norm, m.hidden, m.eps, normed);
     if (head_on_tiles)
       bf16_row(normed, m.hidden, b.bf16_rows, i);
     else
