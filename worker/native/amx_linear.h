@@ -115,38 +115,9 @@ void amx_int4_block(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int64
   }
 }
 
-#define LMQ_DISPATCH_TILE(rows, call) \
-  switch (rows) {                     \
-    case 1: call(1); break;           \
-    case 2: call(2); break;           \
-    case 3: call(3); break;           \
-    case 4: call(4); break;           \
-    case 5: call(5); break;           \
-    case 6: call(6); break;           \
-    case 7: call(7); break;           \
-    case 8: call(8); break;           \
-    case 9: call(9); break;           \
-    case 10: call(10); break;         \
-    case 11: call(11); break;         \
-    case 12: call(12); break;         \
-    case 13: call(13); break;         \
-    case 14: call(14); break;         \
-    case 15: call(15); break;         \
-    default: call(16); break;         \
-  }
-
 // out [rows, w.n] (= or +=) x @ w^T, the team splitting the column blocks.
 void amx_int4_linear(const Int4Matrix& w, const Bf16Rows& x, int64_t rows, float* out, bool accumulate) {
-  int64_t begin, end;
-  share(w.n / kBlockN, begin, end);
-  for (int64_t b = begin; b < end; ++b) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-      const int64_t tile = std::min<int64_t>(kTileRows, rows - r0);
-#define LMQ_AMX(MR) amx_int4_block<MR>(w, b, x, r0, out, w.n, accumulate)
-      LMQ_DISPATCH_TILE(tile, LMQ_AMX)
-#undef LMQ_AMX
-    }
-  }
+  over_blocks<kTileRows>(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) { amx_int4_block<tile.value>(w, b, x, r0, out, w.n, accumulate); });
 }
 
 // The output head: its int8 weights turned into bfloat16 (exact: integers below 128) group by group, and,

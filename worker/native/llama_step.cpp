@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 
@@ -252,43 +253,32 @@ void int8_block(const Model& m, int64_t block, const QuantizedRows& x, int64_t r
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + (r0 + r) * m.vocab + block * kBlockN, _mm512_mul_ps(acc[r], scale));
 }
 
-#define LMQ_DISPATCH_ROWS(rows, call) \
-  switch (rows) {                     \
-    case 1: call(1); break;           \
-    case 2: call(2); break;           \
-    case 3: call(3); break;           \
-    case 4: call(4); break;           \
-    case 5: call(5); break;           \
-    case 6: call(6); break;           \
-    case 7: call(7); break;           \
-    default: call(8); break;          \
+// f(std::integral_constant<int, rows>) for 1 <= rows <= Most: a kernel's row count as a template argument.
+template <int Most, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (Most > 1) {
+    if (rows < Most) return with_rows<Most - 1>(rows, f);
   }
+  f(std::integral_constant<int, Most>{});
+}
+
+// f(block, r0, tile rows) over the team's share of `blocks` column blocks, x's rows in tiles of at most
+// Most: a block's weights come from memory once, then from cache.
+template <int Most, typename F>
+void over_blocks(int64_t blocks, int64_t rows, F&& f) {
+  int64_t begin, end;
+  share(blocks, begin, end);
+  for (int64_t b = begin; b < end; ++b)
+    for (int64_t r0 = 0; r0 < rows; r0 += Most) with_rows<Most>(std::min<int64_t>(Most, rows - r0), [&](auto tile) { f(b, r0, tile); });
+}
 
 // out [rows, w.n] (= or +=) x @ w^T, the team splitting the column blocks.
 void int4_linear(const Int4Matrix& w, const QuantizedRows& x, int64_t rows, float* out, bool accumulate) {
-  int64_t begin, end;
-  share(w.n / kBlockN, begin, end);
-  for (int64_t b = begin; b < end; ++b) {  // a block's weights come from memory once, then from cache
-    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-      const int64_t tile = std::min<int64_t>(kMaxRows, rows - r0);
-#define LMQ_INT4(MR) int4_block<MR>(w, b, x, r0, out, w.n, accumulate)
-      LMQ_DISPATCH_ROWS(tile, LMQ_INT4)
-#undef LMQ_INT4
-    }
-  }
+  over_blocks<kMaxRows>(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) { int4_block<tile.value>(w, b, x, r0, out, w.n, accumulate); });
 }
 
 void int8_head(const Model& m, const QuantizedRows& x, int64_t rows, float* out) {
-  int64_t begin, end;
-  share(m.vocab / kBlockN, begin, end);
-  for (int64_t b = begin; b < end; ++b) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-      const int64_t tile = std::min<int64_t>(kMaxRows, rows - r0);
-#define LMQ_INT8(MR) int8_block<MR>(m, b, x, r0, out)
-      LMQ_DISPATCH_ROWS(tile, LMQ_INT8)
-#undef LMQ_INT8
-    }
-  }
+  over_blocks<kMaxRows>(m.vocab / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) { int8_block<tile.value>(m, b, x, r0, out); });
 }
 
 #include "amx_linear.h"
