@@ -2,7 +2,8 @@
 
 A torch step of a small model is hundreds of small operators; this runs the whole step (every layer,
 the head) as one function over float32 activations, with int4 x int16 VNNI dot products for the linears
-and attention that reads K/V straight from the paged pool. Every new token is a row: a decode is one
+(AMX bfloat16 tiles for steps of AMX_FROM_ROWS rows or more where the CPU has them) and attention that
+reads K/V straight from the paged pool. Every new token is a row: a decode is one
 row, a prompt chunk one row per token, each attending to its sequence's keys up to its own position.
 It owns a packed copy of the weights (the int4 blocks as the checkpoint stores them, the head in int8
 per row) and serves the steps it can: a bfloat16 KV pool on the CPU, and fewer tokens than `max_rows`
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 BLOCK_N = 16  # output rows the kernel computes together
 # Steps of this many rows and more run their linears on AMX tiles where the CPU has them: a tile product
-# costs the same for 1 row as for 16, VNNI's grow with the rows (docs/benchmarks.md, "AMX tiles").
+# costs about the same for 1 row as for 16, VNNI's grow with the rows: the crossover measured in
+# docs/benchmarks.md ("The native step's linears, second pass").
 AMX_FROM_ROWS = 6
 PHASES = ("embedding, rope tables", "norms + quantizing x", "q/k/v", "rope + K/V write", "attention", "o_proj (+ quantizing)",
           "gate/up", "SiLU·mul (+ quantizing)", "down", "final norm + head")  # fmt: skip

@@ -1,15 +1,17 @@
-// The int4 linears on AMX tiles (Intel Sapphire Rapids and later), included by llama_step.cpp, which
-// uses them for every step where the CPU has AMX and the kernel allows its use (lmq_amx_enable).
+// The int4 linears and the head on AMX tiles (Intel Sapphire Rapids and later), included by
+// llama_step.cpp, which runs a step's linears here when it has Model::amx_from_rows rows or more and the
+// kernel granted the tile state (lmq_amx_enable); smaller steps, and other CPUs, stay on VNNI.
 //
 // Why: on VNNI a 16-row step is bound by its vpdpwssd (32 products each, one a cycle): 12 of its 18 ms.
 // One tile product (TDPBF16PS) does 8,192: a group of 32 k values for 16 rows x 16 outputs. The weights
-// go in exactly: a nibble q becomes the bfloat16 of q - 8 through a 16-entry table, so a group's dot
-// product is a * sum (q - 8) x + (m + 8a) sum x, with x rounded to bfloat16 (torch's int4 path rounds
-// it the same way) and the products summed in float32 by the tile unit.
-// A row's arithmetic does not depend on the other rows of its tile, so steps stay batch-invariant; they
-// are not bit-identical to the VNNI path's (a worker uses one of the two for all its steps).
+// go in exactly: a nibble q becomes the bfloat16 of 128 + q (bits 0x4300 | q), so a group's dot product
+// is a * sum (128 + q) x + (m - 128 a) sum x, with x rounded to bfloat16 (torch's int4 path rounds it the
+// same way) and the products summed in float32 by the tile unit. A tile product costs about the same for
+// 1 row as for 16, VNNI's grow with the rows: hence the threshold (docs/benchmarks.md).
+// A row's arithmetic does not depend on the other rows of its tile, so steps on tiles are invariant
+// among themselves; they are not bit-identical to VNNI steps.
 //
-// Tiles: 0 = C (16 rows x 16 float32), 1 = A (16 rows of x, 32 bfloat16), 2 = B (16 pairs x 16 outputs).
+// Tiles: 0 = C (rows x 16 float32), 1 = A (rows of x, 32 bfloat16 each), 2 = B (16 pairs x 16 outputs).
 // A step of more than 16 rows runs tiles of 16, the last one padded (the x buffer's rows are padded to
 // a multiple of 16, and C's extra rows ignored).
 
@@ -42,40 +44,20 @@ void bf16_row(const float* x, int64_t k, const Bf16Rows& out, int64_t r) {
 // C have as many rows as the step's tiles (all of a step's linears have its rows): a product's time and
 // C's store scale with them, which is what makes a decode of one row cheap.
 void configure_tiles(int64_t rows) {
-  // palette 1; bytes 16 + 2t: tile t's bytes per row; byte 48 + t: its rows. Tiles C, A, B: 0, 1, 2 and 3, 4, 5.
+  // palette 1; bytes 16 + 2t: tile t's bytes per row; byte 48 + t: its rows. Tiles C, A, B: 0, 1, 2.
   alignas(64) uint8_t config[64] = {1};
   const uint8_t tile_rows = static_cast<uint8_t>(std::min<int64_t>(rows, kTileRows));
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 3; ++t) {
     config[16 + 2 * t] = 64;
-    config[48 + t] = t % 3 == 2 ? kGroup / 2 : tile_rows;
+    config[48 + t] = t == 2 ? kGroup / 2 : tile_rows;
   }
   asm volatile("" : : "r"(config) : "memory");  // GCC 12 dropped some of the stores above without it
   _tile_loadconfig(config);
 }
 
-// c = a @ b on tile set 0 (tiles C, A, B = 0, 1, 2) or 1 (3, 4, 5). The intrinsics paste the tile number
-// into the instruction's text, so each set is written out.
-template <int Set>
-inline void tile_product(const uint16_t* a, int64_t a_stride, const void* b, void* c);
-template <>
-inline void tile_product<0>(const uint16_t* a, int64_t a_stride, const void* b, void* c) {
-  _tile_loadd(2, b, 64);
-  _tile_loadd(1, a, a_stride);
-  _tile_zero(0);
-  _tile_dpbf16ps(0, 1, 2);
-  _tile_stored(0, c, 64);
-}
-template <>
-inline void tile_product<1>(const uint16_t* a, int64_t a_stride, const void* b, void* c) {
-  _tile_loadd(5, b, 64);
-  _tile_loadd(4, a, a_stride);
-  _tile_zero(3);
-  _tile_dpbf16ps(3, 4, 5);
-  _tile_stored(3, c, 64);
-}
-
-// One group of a block into acc (x rows [r0, r0 + MR)), on tile set Set.
-template <int MR, int Set>
+// One group of a block into acc (x rows [r0, r0 + MR)). The tile intrinsics paste the tile *number* into
+// the instruction's text: they take literals, not constants.
+template <int MR>
 inline void amx_group(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int64_t r0, int64_t g, uint16_t (*b_tile)[32], float (*c_tile)[16], __m512* acc) {
   const __m512i low4 = _mm512_set1_epi16(0x0F), bf16_128 = _mm512_set1_epi16(0x4300);
   const int64_t groups = w.k / kGroup, per_row = x.stride / kGroup, at = block * groups + g;
@@ -86,7 +68,11 @@ inline void amx_group(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int
     for (int s = 0; s < 4; ++s)
       _mm512_store_si512(b_tile[4 * j + s], _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4 * s), low4, bf16_128, 0xEA));  // (v & 15) | 0x4300
   }
-  tile_product<Set>(x.values + r0 * x.stride + g * kGroup, x.stride * sizeof(uint16_t), b_tile, c_tile);
+  _tile_loadd(2, b_tile, 64);
+  _tile_loadd(1, x.values + r0 * x.stride + g * kGroup, x.stride * sizeof(uint16_t));
+  _tile_zero(0);
+  _tile_dpbf16ps(0, 1, 2);
+  _tile_stored(0, c_tile, 64);
   const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at * kBlockN)));
   const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + at * kBlockN)));
   const __m512 offset_m = _mm512_fnmadd_ps(a, _mm512_set1_ps(128.f), m);
@@ -97,18 +83,15 @@ inline void amx_group(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int
 }
 
 // Output columns [16 * block, +16) for x rows [r0, r0 + MR), MR <= 16; accumulate: out += y, else out = y.
-// Groups go in pairs on the two sets of tiles and buffers, so one's product overlaps the other's
-// unpacking (a tile is not renamed: a set's next load waits for its last product).
+// (Groups in pairs on two sets of tiles, so that one's product would overlap the other's unpacking,
+// measured no faster.)
 template <int MR>
 void amx_int4_block(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
-  alignas(64) uint16_t b_tiles[2][kGroup / 2][32];
-  alignas(64) float c_tiles[2][kTileRows][16];
+  alignas(64) uint16_t b_tile[kGroup / 2][32];
+  alignas(64) float c_tile[kTileRows][16];
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < w.k / kGroup; g += 2) {  // K is a multiple of 64
-    amx_group<MR, 0>(w, block, x, r0, g, b_tiles[0], c_tiles[0], acc);
-    amx_group<MR, 1>(w, block, x, r0, g + 1, b_tiles[1], c_tiles[1], acc);
-  }
+  for (int64_t g = 0; g < w.k / kGroup; ++g) amx_group<MR>(w, block, x, r0, g, b_tile, c_tile, acc);
   for (int r = 0; r < MR; ++r) {
     float* o = out + (r0 + r) * out_stride + block * kBlockN;
     _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), acc[r]) : acc[r]);
