@@ -62,6 +62,7 @@ def test_log_settings_read_the_environment_and_refuse_nonsense():
     [
         (dict(dtype="bogus"), r"LMQ_DTYPE \(--dtype\) must be one of auto, float32, bfloat16, float16, not 'bogus'"),
         (dict(quant="int3"), r"LMQ_QUANT \(--quant\)"),
+        (dict(cpu_steps="fast"), r"LMQ_CPU_STEPS \(--cpu-steps\) must be one of native, invariant, torch, not 'fast'"),
         (dict(kv_memory="lots"), r"LMQ_KV_MEMORY \(--kv-memory\) must be a size"),
         (dict(kv_memory="0GiB"), r"LMQ_KV_MEMORY \(--kv-memory\) must be more than 0"),
         (dict(model="/nonexistent/model.gguf"), r"LMQ_MODEL \(--model\): no such file or directory: /nonexistent/model.gguf"),
@@ -95,3 +96,8 @@ def test_gateway_settings_are_checked_before_anything_starts(settings, message):
 def test_the_defaults_pass_the_checks():
     check_gateway(GatewayConfig())
     check_worker(WorkerConfig())
+
+
+@pytest.mark.parametrize("cpu_steps", ["native", "invariant", "torch"])
+def test_every_cpu_steps_mode_passes_the_checks(cpu_steps):
+    check_worker(WorkerConfig(cpu_steps=cpu_steps))
