@@ -143,7 +143,9 @@ def load_model(
         checkpoint.config, checkpoint.weights, torch_dtype, quant, torch_device, checkpoint.name, dense_from_rows, head_int8_below
     )
     if quant == "int4" and cpu_steps != "torch":  # attach_native_steps checks the device and dtype
-        attach_native_steps(model, checkpoint, dense_from_rows, invariant=cpu_steps == "invariant")
+        attached = attach_native_steps(model, checkpoint, dense_from_rows, invariant=cpu_steps == "invariant")
+        if cpu_steps == "invariant" and not attached:
+            log.warning("cpu_steps invariant: the native step does not run this model, mode or machine; torch's steps depend on the batch")
     parameter_count = sum(math.prod(source.shape) for source in checkpoint.weights.values())
     log.info(
         "loaded %s from %s: %.1fM parameters, dtype %s, quant %s%s, device %s",
