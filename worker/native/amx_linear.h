@@ -108,10 +108,9 @@ void amx_int4_linear(const Int4Matrix& w, const Bf16Rows& x, int64_t rows, float
 void amx_head(const Model& m, const Bf16Rows& x, int64_t rows, float* out) {
   alignas(64) uint16_t b_tile[kGroup / 2][32];
   alignas(64) float c_tile[kTileRows][16];
-  __m512i high_halves;  // word 2i + 1 of two float vectors side by side: their bfloat16s, in order
-  alignas(64) uint16_t odd[32];
+  alignas(64) uint16_t odd[32];  // word 2i + 1 of two float vectors side by side: their bfloat16s, in order
   for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
-  high_halves = _mm512_load_si512(odd);
+  const __m512i high_halves = _mm512_load_si512(odd);
   int64_t begin, end;
   share(m.vocab / kBlockN, begin, end);
   for (int64_t b = begin; b < end; ++b) {

@@ -43,7 +43,6 @@
 #include <type_traits>
 #include <vector>
 
-
 extern "C" {
 
 struct Int4Matrix {
@@ -427,7 +426,6 @@ struct Buffers {
   std::vector<uint16_t> bf16;
   std::vector<float> bf16_sum;
   Bf16Rows bf16_rows;  // x for AMX
-
 
   Buffers(const Model& m, int64_t rows) {
     const int64_t widest = std::max({m.hidden, m.intermediate, m.heads * m.head_dim}), qkv_n = (m.heads + 2 * m.kv_heads) * m.head_dim;
