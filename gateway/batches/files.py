@@ -65,13 +65,13 @@ async def upload(request: web.Request) -> web.Response:
     return web.json_response(file_object(record))
 
 
-async def _read_part(part: BodyPartReader, limit: int, too_large: str) -> bytes:
+async def _read_part(part: BodyPartReader, limit: int, too_large: str) -> bytearray:
     data = bytearray()
     while chunk := await part.read_chunk(1 << 16):
         data += chunk
         if len(data) > limit:
             raise ApiError(413, too_large)
-    return bytes(data)
+    return data
 
 
 async def retrieve(request: web.Request) -> web.Response:

@@ -58,7 +58,7 @@ class _Limits:
         self.max_request_bytes = gateway.config.max_body_bytes
 
 
-async def openai_file(gateway: Gateway, data: bytes, urls: tuple[str, ...] = items.OPENAI_ENDPOINTS) -> Parsed:
+async def openai_file(gateway: Gateway, data: bytes | bytearray, urls: tuple[str, ...] = items.OPENAI_ENDPOINTS) -> Parsed:
     """The items of an OpenAI batch input (JSONL of {custom_id, method, url, body}), parsed in a thread.
     A line whose url is a valid endpoint but not one of `urls` is an `invalid_url` error."""
     return await asyncio.to_thread(_openai_file, _Limits(gateway), data, urls)
@@ -73,7 +73,7 @@ async def anthropic_body(gateway: Gateway, raw: bytes) -> Parsed:
 # ---------------------------------------------------------------- OpenAI: JSONL, a line at a time
 
 
-def _lines(data: bytes) -> Iterator[tuple[int, bytes]]:
+def _lines(data: bytes | bytearray) -> Iterator[tuple[int, bytes | bytearray]]:
     """(1-based number, line) of each line, cut one at a time."""
     start, number, size = 0, 0, len(data)
     while start < size:
@@ -84,7 +84,7 @@ def _lines(data: bytes) -> Iterator[tuple[int, bytes]]:
         start = end + 1
 
 
-def _openai_file(limits: _Limits, data: bytes, urls: tuple[str, ...]) -> Parsed:
+def _openai_file(limits: _Limits, data: bytes | bytearray, urls: tuple[str, ...]) -> Parsed:
     parsed, seen, count = Parsed(), set(), 0
     for number, line in _lines(data):
         if not line.strip():
@@ -102,7 +102,7 @@ def _openai_file(limits: _Limits, data: bytes, urls: tuple[str, ...]) -> Parsed:
     return parsed
 
 
-def _openai_line(limits: _Limits, number: int, line: bytes, seen: set[str], urls: tuple[str, ...], parsed: Parsed) -> LineError | None:
+def _openai_line(limits: _Limits, number: int, line: bytes | bytearray, seen: set[str], urls: tuple[str, ...], parsed: Parsed) -> LineError | None:
     if len(line) > limits.max_request_bytes:
         return LineError(number, f"the request is larger than the {limits.max_request_bytes} bytes a request may have", code="request_too_large")
     try:
