@@ -141,6 +141,7 @@ async def test_a_batch_counts_against_its_keys_token_limit_and_waits_for_the_bud
         await poll(stalled, what="the key's budget to be spent")
         with pytest.raises(openai.RateLimitError):  # the batch spent the key's budget for live requests too
             await client.chat.completions.create(model=REAL_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        await asyncio.sleep(1.0)  # the last runs' outcomes recorded (their entries are gone before that)
         before = await client.batches.retrieve(batch.id)
         await asyncio.sleep(2.0)
         paused = await client.batches.retrieve(batch.id)

@@ -4,7 +4,8 @@ Statuses: `validating` (created; the runner starts it at once) → `in_progress`
 (writing the output and error files) → `completed`; or `failed` (the input does not fit the batch:
 a line for another endpoint, a model no worker serves; `errors` says which lines), `cancelling` →
 `cancelled`, `expired` (the completion window ended first). `request_counts.completed` counts the
-items that succeeded, `failed` every other finished one.
+items that succeeded, `failed` every other finished one. A line whose body the endpoint refuses does not fail the
+batch: that item ends `errored` (its line in the error file has the endpoint's status and error).
 """
 
 from __future__ import annotations
