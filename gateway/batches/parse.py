@@ -64,7 +64,7 @@ async def openai_file(gateway: Gateway, data: bytes | bytearray, urls: tuple[str
     return await asyncio.to_thread(_openai_file, _Limits(gateway), data, urls)
 
 
-async def anthropic_body(gateway: Gateway, raw: bytes) -> Parsed:
+async def anthropic_body(gateway: Gateway, raw: bytes | bytearray) -> Parsed:
     """The items of an Anthropic batch body ({requests: [{custom_id, params}]}), parsed in a thread.
     Raises ValueError when the body is not JSON of that shape."""
     return await asyncio.to_thread(_anthropic_body, _Limits(gateway), raw)
@@ -146,7 +146,7 @@ def _item_format(where: int, custom_id: Any, url: Any, body: Any, seen: set[str]
 # ---------------------------------------------------------------- Anthropic: one JSON body, a request at a time
 
 
-def _anthropic_body(limits: _Limits, raw: bytes) -> Parsed:
+def _anthropic_body(limits: _Limits, raw: bytes | bytearray) -> Parsed:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
