@@ -26,6 +26,7 @@ uses for an overloaded service).
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import math
 import time
@@ -147,12 +148,11 @@ class RateLimiter:
 
     def limits_for_owner(self, owner: str) -> Limits:
         """The limits of the key whose digest is `owner`; none for "" (a gateway without keys)."""
-        if not owner:
-            return Limits()
-        by_digest = getattr(self, "_by_digest", None)
-        if by_digest is None:
-            by_digest = self._by_digest = {_digest(key): limits for key, limits in self.limits.items() if key}
-        return by_digest.get(owner, self.limits[""])
+        return self._by_digest.get(owner, self.limits[""]) if owner else Limits()
+
+    @functools.cached_property
+    def _by_digest(self) -> dict[str, Limits]:
+        return {_digest(key): limits for key, limits in self.limits.items() if key}
 
     async def admit_owner(self, owner: str, limits: Limits) -> Window:
         """Count one batch item as a request of the key `owner`, as `admit` counts a live one."""
