@@ -140,3 +140,16 @@ def test_a_file_of_millions_of_bad_lines_is_refused_in_bounded_memory():
     many = b"".join(json.dumps(chat_line(f"c{i}", "hi")).encode() + b"\n" for i in range(config.batch_max_items + 1))
     parsed = parse._openai_file(limits, many, ("/v1/chat/completions",))
     assert [error.message for error in parsed.errors] == [f"the batch has more than {config.batch_max_items} requests; a batch may have at most {config.batch_max_items}"]
+
+
+def test_an_anthropic_body_is_read_a_request_at_a_time_and_its_shape_checked():
+    """parse._requests walks `{..., "requests": [...], ...}` one element per json call; anything else is a ValueError."""
+    body = ' { "note" : {"a": [1, 2]}, "requests" : [ {"custom_id": "a"} , [], 3 ] ,"z":null } \n'
+    assert list(parse._requests(body)) == [(0, {"custom_id": "a"}), (1, []), (2, 3)]
+    assert list(parse._requests('{"requests": []}')) == []
+    for bad in ("", "[]", '{"requests": 5}', '{"other": 1}', '{"requests": [1,]}', '{"requests": [1]} x', '{"requests": [1]', "{1: 2}", '{"requests": [], "requests": []}'):
+        try:
+            list(parse._requests(bad))
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")

@@ -181,8 +181,7 @@ def _anthropic_request(i: int, entry: Any, seen: set[str], parsed: Parsed) -> Li
 def _requests(text: str) -> Iterator[tuple[int, Any]]:
     """(index, value) of each element of the top-level object's `requests` list, one json call each;
     other members are parsed and dropped. ValueError when the text is not such an object."""
-    at = _skip(text, 0)
-    at = _expect(text, at, "{")
+    at = _skip(text, _expect(text, _skip(text, 0), "{"))
     found = False
     if text.startswith("}", at):
         at += 1
@@ -193,6 +192,8 @@ def _requests(text: str) -> Iterator[tuple[int, Any]]:
                 raise ValueError("an object's member name must be a string")
             at = _expect(text, _skip(text, at), ":")
             if name == "requests":
+                if found:
+                    raise ValueError("requests: given twice")
                 found = True
                 at = yield from _elements(text, _skip(text, at))
             else:
