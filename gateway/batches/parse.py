@@ -16,7 +16,9 @@ between calls; a line longer than a live request's body (`max_body_bytes`) is re
 is parsed, so no single call runs long. Limits come before work: the request count is checked as
 lines are counted (parsing stops past `batch_max_items`), at most `MAX_REPORTED_ERRORS` errors are
 kept (parsing stops once they are), lines are cut one at a time from the input (no list of every
-line), and an item is kept as its own line's text, not re-encoded.
+line), and an OpenAI item is kept as its own line's text, not re-encoded. One call is not
+bounded: a single Anthropic request of many MiB is parsed by one json call, which the loop waits
+for (the body as a whole is bounded by `batch_max_bytes`).
 """
 
 from __future__ import annotations
