@@ -6,6 +6,7 @@ A line of the keys file may give the key its own rate limits after it (gateway/r
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from .config import GatewayConfig
 from .errors import ApiError
 
 PROTECTED_PREFIX = "/v1/"
+_OWNER = web.RequestKey("lmq_owner", str) if hasattr(web, "RequestKey") else "lmq_owner"
 
 
 def load_api_keys(config: GatewayConfig) -> frozenset[str]:
@@ -49,6 +51,17 @@ def presented_key(request: web.Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+def key_digest(key: str) -> str:
+    """A key's identity where lmq writes one (owners, rate-limit counters): a hash, never the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def owner_of(request: web.Request) -> str:
+    """Who owns what this request creates or reads (files, batches): the digest of its verified key, or
+    "" (one anonymous owner) on a gateway that takes no keys, whatever key a client sends there."""
+    return request.get(_OWNER, "")
+
+
 def _is_known(key: str, keys: frozenset[str]) -> bool:
     # compare with every key, in constant time, so timing tells nothing about near misses
     return any([hmac.compare_digest(key.encode(), known.encode()) for known in keys])
@@ -63,6 +76,7 @@ def auth_middleware(keys: frozenset[str]) -> Middleware:
                 raise ApiError(401, "no API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`", code="invalid_api_key")
             if not _is_known(key, keys):
                 raise ApiError(401, "the API key is not valid", code="invalid_api_key")
+            request[_OWNER] = key_digest(key)
         return await handler(request)
 
     return require_key

@@ -3,7 +3,9 @@
 With API keys configured, each key may make `rate_limit_requests` requests and use
 `rate_limit_tokens` tokens (prompt + completion) a minute; a line of the keys file may give a key
 its own numbers (`sk-team-a requests=600 tokens=200000`), 0 = no limit. What counts: every POST
-under /v1/ except the batch APIs (their work runs on spare capacity and has limits of its own).
+under /v1/ except the batch APIs' own calls; a batch's items count instead, each as a request with
+its real tokens, charged to the key that owns the batch (gateway/batches/runner.py: `admit_owner`,
+`charge_owner`; an item waits while its key is over a limit).
 
 The window is fixed and starts with a key's first request after the previous one ended (a
 counter that expires 60 s after it was created). One Lua script reads both counters and counts
@@ -24,6 +26,7 @@ uses for an overloaded service).
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import math
 import time
@@ -139,6 +142,31 @@ class RateLimiter:
     async def charge(self, key: str, tokens: int) -> None:
         if tokens > 0:
             await self._charge(keys=[rate_limit_key(_digest(key), "tokens")], args=[tokens, WINDOW_MS])
+
+    # Batch items: their key is known only by its digest (a batch's owner, gateway/auth.py's key_digest,
+    # the same hash that names the counters), never by the key itself.
+
+    def limits_for_owner(self, owner: str) -> Limits:
+        """The limits of the key whose digest is `owner`; none for "" (a gateway without keys)."""
+        return self._by_digest.get(owner, self.limits[""]) if owner else Limits()
+
+    @functools.cached_property
+    def _by_digest(self) -> dict[str, Limits]:
+        return {_digest(key): limits for key, limits in self.limits.items() if key}
+
+    async def admit_owner(self, owner: str, limits: Limits) -> Window:
+        """Count one batch item as a request of the key `owner`, as `admit` counts a live one."""
+        args = [limits.requests, limits.tokens, WINDOW_MS]
+        refused, requests, requests_reset, tokens, tokens_reset = await self._admit(
+            keys=[rate_limit_key(owner, "requests"), rate_limit_key(owner, "tokens")], args=args
+        )
+        refused = refused.decode() if isinstance(refused, bytes) else refused
+        return Window(limits, refused or "", int(requests), int(requests_reset), int(tokens), int(tokens_reset))
+
+    async def charge_owner(self, owner: str, tokens: int) -> None:
+        """Add a finished batch item's tokens to the key `owner`'s window."""
+        if owner and tokens > 0:
+            await self._charge(keys=[rate_limit_key(owner, "tokens")], args=[tokens, WINDOW_MS])
 
 
 def setup_rate_limits(app: web.Application, limiter: RateLimiter) -> None:

@@ -68,14 +68,14 @@ async def test_a_message_batch_runs_to_the_end_with_one_result_per_request(url):
         await client.messages.batches.retrieve(batch.id)
 
 
-async def test_an_invalid_request_refuses_the_whole_batch_naming_it(url):
+async def test_a_malformed_request_refuses_the_whole_batch_naming_it(url):
     client = client_for(url)
     good = {"custom_id": "good", "params": params("hi")}
     cases = [
-        ({"custom_id": "no-max", "params": {"model": REAL_MODEL, "messages": [{"role": "user", "content": "hi"}]}}, "requests.1.params.max_tokens"),
+        ({"custom_id": "no-model", "params": {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}}, "requests.1.params.model"),
         ({"custom_id": "good", "params": params("again")}, "used twice"),
         ({"custom_id": "has space", "params": params("hi")}, "custom_id"),
-        ({"custom_id": "streams", "params": params("hi", stream=True)}, "stream"),
+        ({"custom_id": "no-params"}, "requests.1.params"),
     ]
     for bad, named in cases:
         with pytest.raises(anthropic.BadRequestError) as refused:
@@ -84,6 +84,22 @@ async def test_an_invalid_request_refuses_the_whole_batch_naming_it(url):
     with pytest.raises(anthropic.NotFoundError):
         await client.messages.batches.create(requests=[{"custom_id": "x", "params": params("hi", model="nobody-serves-this")}])
     assert [b async for b in client.messages.batches.list()] == []
+
+
+async def test_a_request_with_bad_params_errors_alone_and_the_others_run(url):
+    """Anthropic checks `params` as each request runs: a bad one is `errored`, the rest succeed."""
+    client = client_for(url)
+    requests = [{"custom_id": f"ok-{i}", "params": params(f"Say {i}")} for i in range(3)]
+    requests += [
+        {"custom_id": "no-max", "params": {"model": REAL_MODEL, "messages": [{"role": "user", "content": "hi"}]}},
+        {"custom_id": "streams", "params": params("hi", stream=True)},
+    ]
+    batch = await ended(client, (await client.messages.batches.create(requests=requests)).id)
+    assert (batch.request_counts.succeeded, batch.request_counts.errored) == (3, 2)
+    found = {result.custom_id: result.result for result in await results(client, batch.id)}
+    for custom_id, named in (("no-max", "max_tokens"), ("streams", "stream")):
+        assert found[custom_id].type == "errored" and found[custom_id].error.error.type == "invalid_request_error"
+        assert named in found[custom_id].error.error.message
 
 
 async def test_cancelling_keeps_what_finished_and_cancels_the_rest(redis_url, tiny):

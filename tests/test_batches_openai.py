@@ -79,21 +79,38 @@ async def test_malformed_lines_are_refused_at_upload_each_one_named(url):
         "{not json",
         chat_line("fine", "the same custom_id again"),
         {"custom_id": "u", "method": "POST", "url": "/v1/embeddings", "body": {}},
-        {"custom_id": "m", "method": "POST", "url": "/v1/chat/completions", "body": {"model": REAL_MODEL, "messages": []}},
-        chat_line("s", "hi", stream=True),
-        chat_line("t", "hi", temperature=7),
+        {"custom_id": "m", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}},
+        {"custom_id": "g", "method": "GET", "url": "/v1/chat/completions", "body": {"model": REAL_MODEL}},
+        {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": "text"},
+        chat_line("s", "hi", stream=True),  # a bad body is not the file's format: it fails at run time
     ]
     with pytest.raises(openai.BadRequestError) as refused:
         await client.files.create(file=("bad.jsonl", jsonl(lines)), purpose="batch")
     message = refused.value.body["message"]
-    for number, problem in [(2, "not valid JSON"), (3, "used twice"), (4, "url"), (5, "messages"), (6, "stream"), (7, "temperature")]:
+    for number, problem in [(2, "not valid JSON"), (3, "used twice"), (4, "url"), (5, "model"), (6, "POST"), (7, "body")]:
         assert f"line {number}: " in message and problem in message, message
-    assert "line 1:" not in message
+    assert "line 1:" not in message and "line 8:" not in message
     assert not [f async for f in client.files.list()]  # nothing was stored
     with pytest.raises(openai.BadRequestError):
         await client.files.create(file=("in.jsonl", jsonl([chat_line("a", "b")])), purpose="fine-tune")
     with pytest.raises(openai.BadRequestError):
         await client.files.create(file=("empty.jsonl", b"\n"), purpose="batch")
+
+
+async def test_a_bad_body_fails_its_own_line_and_the_others_run(url):
+    """issue 29: 8 good lines and one with max_tokens -5 run the 8; the 9th is in the error file with its 400."""
+    client = client_for(url)
+    lines = [chat_line(f"g{i}", f"Say {i}") for i in range(8)] + [chat_line("bad", "hi", max_tokens=-5)]
+    upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status in ("validating", "in_progress") and batch.request_counts.total == 9
+    batch = await openai_batch_end(client, batch.id)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (8, 1)
+    assert sorted(line["custom_id"] for line in await file_lines(client, batch.output_file_id)) == [f"g{i}" for i in range(8)]
+    [bad] = await file_lines(client, batch.error_file_id)
+    assert bad["custom_id"] == "bad" and bad["error"] is None and bad["response"]["status_code"] == 400
+    error = bad["response"]["body"]["error"]
+    assert "max_tokens" in error["message"] and error["type"] == "invalid_request_error" and error["param"] == "max_tokens"
 
 
 async def test_files_are_read_listed_and_deleted(url):

@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from ..auth import load_api_keys
 from ..context import GATEWAY
+from ..rate_limits import RateLimiter, load_limits
 from . import anthropic_api, files, openai_api
 from .runner import SCAN_S, BatchRunner
 from .service import BATCHES, Batches
@@ -24,7 +26,8 @@ def add_batch_routes(app: web.Application) -> None:
     """The batch endpoints, and the runner for the application's lifetime (needs `app[GATEWAY]`)."""
     gateway = app[GATEWAY]
     store = BatchStore(gateway.redis, gateway.shards.home)
-    app[BATCHES] = Batches(gateway, store, BatchRunner(gateway, store))
+    limiter = RateLimiter(gateway.redis, load_limits(gateway.config), gateway.metrics) if load_api_keys(gateway.config) else None
+    app[BATCHES] = Batches(gateway, store, BatchRunner(gateway, store, limiter))
     app.cleanup_ctx.append(_running)
     router = app.router
     router.add_post("/v1/files", files.upload)

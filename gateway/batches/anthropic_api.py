@@ -1,8 +1,10 @@
 """Anthropic's Message Batches: POST/GET /v1/messages/batches, GET/DELETE /v1/messages/batches/{id},
 POST .../{id}/cancel, GET .../{id}/results.
 
-A batch is validated whole when it is created: each request's `params` exactly as POST /v1/messages
-checks a body (a bad one: 400 naming `requests.<i>.params.<field>`). `processing_status` is
+A batch's format is checked when it is created (parse.py: a custom_id of 1-64 letters, digits, `_`
+or `-`, unique; `params` naming a model; a malformed request: 400 naming `requests.<i>`); each
+request's `params` is checked as POST /v1/messages checks a body when it runs, as Anthropic does:
+a bad one ends that request `errored` with the endpoint's error, and the others run. `processing_status` is
 `in_progress`, `canceling`, then `ended`; `request_counts` move as items finish (Anthropic's own
 service shows them only at the end); `results_url` appears once it has ended. Results are JSONL,
 one line per request in input order: `{custom_id, result: {type: succeeded | errored | canceled |
@@ -12,19 +14,15 @@ expired, ...}}`. A batch can be deleted once it has ended.
 from __future__ import annotations
 
 import datetime
-import json
-import re
 import time
 from typing import Any
 
 from aiohttp import web
 
 from ..errors import ApiError
-from . import items, outputs
-from .service import LineError, count_limit, describe, gateway_batches, item_or_error, page_limit, read_large_body
+from . import outputs, parse
+from .service import LineError, describe, gateway_batches, owner, page_limit, read_large_body
 from .store import OUTCOMES, Batch
-
-CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 PROCESSING = {"cancelling": "canceling", "completed": "ended", "cancelled": "ended", "expired": "ended", "failed": "ended"}
 
 
@@ -59,32 +57,27 @@ async def create(request: web.Request) -> web.Response:
     gateway, batches = gateway_batches(request)
     raw = await read_large_body(request, gateway.config.batch_max_bytes)
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-    requests = body.get("requests") if isinstance(body, dict) else None
-    if not isinstance(requests, list):
-        raise ApiError(400, "requests: must be a list of {custom_id, params}", param="requests")
-    found, errors, seen = [], [], set()
-    for i, entry in enumerate(requests):
-        entry = entry if isinstance(entry, dict) else {}
-        custom_id = entry.get("custom_id")
-        if isinstance(custom_id, str) and not CUSTOM_ID.match(custom_id):
-            errors.append(LineError(i, "custom_id: 1-64 letters, digits, '_' or '-'"))
-            continue
-        item = item_or_error(gateway, i, custom_id, items.MESSAGES, entry.get("params"), seen, (items.MESSAGES,))
-        (errors if isinstance(item, LineError) else found).append(item)
-    problem = count_limit(gateway, len(found)) if not errors else None
-    if errors or problem:
-        errors = [LineError(e.line, f"requests.{e.line}.{'params.' if (e.param or '').startswith('body') else ''}{e.message}") for e in errors]
-        raise ApiError(400, describe(errors or [problem], None))
+        parsed = await parse.anthropic_body(gateway, raw)
+    except ValueError as exc:
+        raise ApiError(400, f"the body is not a batch ({{requests: [{{custom_id, params}}]}} as JSON): {exc}", param="requests") from None
+    if parsed.errors:
+        errors = [_named(error) for error in parsed.errors]
+        raise ApiError(400, describe(errors, None, more=parsed.more_errors))
     served = await gateway.models.served(fresh=True)
-    for model in sorted({item["body"]["model"] for item in found} - served):
+    for model in sorted(parsed.models - served):
         raise ApiError(404, f"the model {model!r} does not exist or no worker serves it", code="model_not_found")
     fields = {"status": "in_progress", "in_progress_at": repr(time.time()), "expires_at": repr(time.time() + gateway.config.batch_window_seconds)}
-    batch = await batches.store.create_batch("msgbatch_", "anthropic", fields, [json.dumps(item, separators=(",", ":")) for item in found])
+    batch = await batches.store.create_batch("msgbatch_", "anthropic", owner(request), fields, parsed.items)
     batches.runner.wake()
     return web.json_response(batch_object(batch, _base_url(request)))
+
+
+def _named(error: LineError) -> LineError:
+    """`requests.<i>.<field>: ...` (`requests.<i>.params.<field>` for a field of the params)."""
+    if not error.line and not error.param:
+        return error
+    inside = "params." if (error.param or "").startswith("body") else ""
+    return LineError(error.line, f"requests.{error.line}.{inside}{error.message}")
 
 
 async def retrieve(request: web.Request) -> web.Response:
@@ -93,7 +86,7 @@ async def retrieve(request: web.Request) -> web.Response:
 
 async def list_batches(request: web.Request) -> web.Response:
     _, batches = gateway_batches(request)
-    found, has_more = await batches.store.batches("anthropic", request.query.get("after_id"), request.query.get("before_id"), page_limit(request, 20, 1000))
+    found, has_more = await batches.store.batches("anthropic", owner(request), request.query.get("after_id"), request.query.get("before_id"), page_limit(request, 20, 1000))
     data = [batch_object(batch, _base_url(request)) for batch in found]
     return web.json_response({"data": data, "has_more": has_more, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
@@ -127,7 +120,7 @@ async def results(request: web.Request) -> web.StreamResponse:
 
 async def _batch(request: web.Request) -> Batch:
     batch_id = request.match_info["batch_id"]
-    batch = await gateway_batches(request)[1].store.batch(batch_id, "anthropic")
-    if batch is None:
+    batch = await gateway_batches(request)[1].store.owned_batch(batch_id, "anthropic", owner(request))
+    if batch is None:  # also a malformed id, and another key's batch: the same 404
         raise ApiError(404, f"No batch found with id {batch_id!r}")
     return batch

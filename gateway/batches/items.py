@@ -5,6 +5,8 @@ live handler's own parse functions (gateway/openai.py, gateway/anthropic.py), so
 exactly when the same body sent to the endpoint would be, and renders a finished item's answer
 with the handler's own shapes. The few differences are a batch's: `stream` and `n` > 1 are
 refused (an item has one answer, written to a file), and the model need not be served at upload.
+A body is checked when its item runs (`batch_request`), not when the batch is made: a refused one
+ends that item `errored` with the endpoint's status and error (parse.py checks the format up front).
 
 This is the one module that follows those handlers' steps; when they change, this follows.
 """
@@ -122,17 +124,14 @@ KINDS = {
 # ---------------------------------------------------------------- the runner's and the handlers' entry points
 
 
-def check(gateway: Gateway, url: str, body: Any) -> str:
-    """Validate one item's body for `url` as the endpoint would; its model. Raises ApiError."""
+def batch_request(gateway: Gateway, item: dict[str, Any], request_id: str, reply_key: str, deadline: float) -> protocol.Request:
+    """The item's protocol request: priority `batch`, its events on a durable reply stream of its own.
+    Raises ApiError where the endpoint would refuse the body."""
+    body = item["body"]
     if not isinstance(body, dict):
         raise ApiError(400, "body: must be a JSON object", param="body")
     _one_answer(body)
-    return KINDS[url].build(gateway, body, "batch-item-check").model
-
-
-def batch_request(gateway: Gateway, item: dict[str, Any], request_id: str, reply_key: str, deadline: float) -> protocol.Request:
-    """The item's protocol request: priority `batch`, its events on a durable reply stream of its own."""
-    request = KINDS[item["url"]].build(gateway, item["body"], request_id)
+    request = KINDS[item["url"]].build(gateway, body, request_id)
     return dataclasses.replace(request, reply=protocol.Reply("stream", reply_key), deadline=deadline, priority="batch")
 
 
@@ -161,7 +160,7 @@ def error_status(outcome: dict[str, Any]) -> int:
 
 def openai_error(outcome: dict[str, Any]) -> dict[str, Any]:
     error = outcome.get("error") or {}
-    return openai_error_body(ApiError(error_status(outcome), error.get("message", ""), code=error.get("code")))
+    return openai_error_body(ApiError(error_status(outcome), error.get("message", ""), param=error.get("param"), code=error.get("code")))
 
 
 def anthropic_error(outcome: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Statuses: `validating` (created; the runner starts it at once) → `in_progress`
 (writing the output and error files) → `completed`; or `failed` (the input does not fit the batch:
 a line for another endpoint, a model no worker serves; `errors` says which lines), `cancelling` →
 `cancelled`, `expired` (the completion window ended first). `request_counts.completed` counts the
-items that succeeded, `failed` every other finished one.
+items that succeeded, `failed` every other finished one. A line whose body the endpoint refuses does not fail the
+batch: that item ends `errored` (its line in the error file has the endpoint's status and error).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from aiohttp import web
 from ..errors import ApiError
 from ..validate import read_json_object, required_str
 from . import items
-from .service import LineError, gateway_batches, openai_items, page_limit
+from . import parse
+from .service import LineError, gateway_batches, owner, page_limit
 from .store import Batch
 
 WINDOW = "24h"
@@ -83,32 +85,30 @@ async def create(request: web.Request) -> web.Response:
         raise ApiError(400, f'completion_window: must be "{WINDOW}"', param="completion_window")
     metadata = _metadata(body)
     file_id = required_str(body, "input_file_id")
-    record = await batches.store.file(file_id)
-    if record is None:
+    record = await batches.store.file(file_id, owner(request))
+    if record is None:  # also a malformed id, and another key's file
         raise ApiError(404, f"No such File object: {file_id}", param="input_file_id", code="not_found")
     if record.fields.get("purpose") != "batch":
         raise ApiError(400, f"input_file_id: {file_id} was not uploaded with purpose=batch", param="input_file_id")
-    found, errors = openai_items(gateway, await batches.store.file_data(file_id))
-    errors += [LineError(i + 1, f"url: {item['url']} in a batch for {endpoint}", "url", "invalid_url") for i, item in enumerate(found) if item["url"] != endpoint]
+    parsed = await parse.openai_file(gateway, await batches.store.file_data(file_id), (endpoint,))
     served = await gateway.models.served(fresh=True)
-    unserved = sorted({item["body"]["model"] for item in found} - served)
-    errors += [LineError(0, f"model: no worker serves {model!r}", "body.model", "model_not_found") for model in unserved]
+    errors = parsed.errors + [LineError(0, f"model: no worker serves {model!r}", "body.model", "model_not_found") for model in sorted(parsed.models - served)]
     now = time.time()
     fields = {
         "endpoint": endpoint,
         "input_file_id": file_id,
         "completion_window": WINDOW,
         "metadata": _json(metadata),
-        "model": found[0]["body"]["model"] if found else "",
+        "model": json.loads(parsed.items[0])["body"]["model"] if parsed.items else "",
         "expires_at": repr(now + gateway.config.batch_window_seconds),
     }
     if errors:
         data = [{"code": e.code, "message": e.message, "param": e.param, "line": e.line or None} for e in errors]
-        batch = await batches.store.create_batch("batch_", "openai", fields | {"status": "failed", "failed_at": repr(now), "errors": _json(data)}, [])
+        batch = await batches.store.create_batch("batch_", "openai", owner(request), fields | {"status": "failed", "failed_at": repr(now), "errors": _json(data)}, [])
         await batches.store.ended(batch.id)
-        batch.fields["total"] = str(len(found))
+        batch.fields["total"] = str(len(parsed.items))
         return web.json_response(batch_object(batch))
-    batch = await batches.store.create_batch("batch_", "openai", fields | {"status": "validating"}, [_json(item) for item in found])
+    batch = await batches.store.create_batch("batch_", "openai", owner(request), fields | {"status": "validating"}, parsed.items)
     batches.runner.wake()
     return web.json_response(batch_object(batch))
 
@@ -119,7 +119,7 @@ async def retrieve(request: web.Request) -> web.Response:
 
 async def list_batches(request: web.Request) -> web.Response:
     _, batches = gateway_batches(request)
-    found, has_more = await batches.store.batches("openai", request.query.get("after"), None, page_limit(request, 20, 100))
+    found, has_more = await batches.store.batches("openai", owner(request), request.query.get("after"), None, page_limit(request, 20, 100))
     data = [batch_object(batch) for batch in found]
     return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None, "has_more": has_more})
 
@@ -135,8 +135,8 @@ async def cancel(request: web.Request) -> web.Response:
 
 async def _batch(request: web.Request) -> Batch:
     batch_id = request.match_info["batch_id"]
-    batch = await gateway_batches(request)[1].store.batch(batch_id, "openai")
-    if batch is None:
+    batch = await gateway_batches(request)[1].store.owned_batch(batch_id, "openai", owner(request))
+    if batch is None:  # also a malformed id, and another key's batch: the same 404
         raise ApiError(404, f"No batch found with id '{batch_id}'", param="batch_id", code="not_found")
     return batch
 

@@ -28,6 +28,17 @@ Driving a batch, tick by tick:
 
 A worker's death needs nothing here: another worker claims the entry and continues on the same
 reply stream (docs/protocol.md).
+
+Rate limits (gateway/rate_limits.py): a batch's items count against the limits of the key that owns
+the batch (its `owner`, the key's digest). Items wait for the key's budget rather than being
+charged after the fact only: each new item is admitted as a live request is (one request counted;
+refused while the key's requests or tokens this minute are at its limit, and then the batch waits,
+its item not enqueued, until the window resets). With a token limit, the driver also keeps in
+flight no more items than the key's tokens left in the window cover (by each item's
+`max_tokens`; one at least), so a batch cannot start hundreds of items on an almost spent budget.
+Each item's real tokens (prompt + completion, as its `done` event counts them) are charged to the
+key when its outcome is written. So a key overshoots by what its in-flight items use beyond their
+`max_tokens`, and its prompts, as a live key overshoots by its running requests.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import protocol
 
 from ..context import Gateway
 from ..errors import ApiError
+from ..rate_limits import RateLimiter
 from . import items, outputs
 from .item_run import Ended, ItemRun
 from .store import Batch, BatchStore, Run
@@ -56,12 +68,14 @@ READ_BLOCK_MS = 500
 LOST_CHECK_S = 5.0  # a run silent this long is checked for a vanished entry
 MAX_ATTEMPTS = 3
 RETRY_S = 1.0
+DEFAULT_RESERVE = 16  # tokens an item without max_tokens is assumed to take, when a token limit sizes the window
 
 
 class BatchRunner:
-    def __init__(self, gateway: Gateway, store: BatchStore):
+    def __init__(self, gateway: Gateway, store: BatchStore, limiter: RateLimiter | None = None):
         self.gateway = gateway
         self.store = store
+        self.limiter = limiter  # the per-key limits, on a gateway with keys
         self.me = gateway.config.gateway_id
         self._drivers: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
@@ -110,7 +124,7 @@ class BatchRunner:
     async def _drive(self, batch_id: str) -> None:
         log.info("driving batch %s", batch_id)
         try:
-            await Driver(self.gateway, self.store, self.me, batch_id).run()
+            await Driver(self.gateway, self.store, self.me, batch_id, self.limiter).run()
         except RedisError as exc:
             log.warning("batch %s: redis: %s; handing it back", batch_id, exc)
             await asyncio.sleep(RETRY_S)
@@ -122,12 +136,15 @@ class BatchRunner:
 class Driver:
     """One batch, while this gateway holds its lease."""
 
-    def __init__(self, gateway: Gateway, store: BatchStore, me: str, batch_id: str):
+    def __init__(self, gateway: Gateway, store: BatchStore, me: str, batch_id: str, limiter: RateLimiter | None = None):
         self.gateway = gateway
         self.store = store
         self.me = me
         self.batch_id = batch_id
+        self.limiter = limiter
         self.runs: dict[int, ItemRun] = {}
+        self.reserved: dict[int, int] = {}  # item index -> the tokens it may take (its max_tokens), while in flight
+        self._tokens_left: int | None = None  # the owner's tokens left in its window, as last admitted
         self._checked_at = time.monotonic()
 
     async def run(self) -> None:
@@ -183,17 +200,37 @@ class Driver:
         if room <= 0:
             return True
         for offset, item in enumerate(await self.store.items(self.batch_id, start, room)):
+            if not await self._admitted(batch, item):
+                return True  # the owner's budget is spent: the rest waits
             if not await self._start(batch, start + offset, item, attempt=1):
                 return False
+            if start + offset in self.runs:  # not an item that failed before it ran
+                self.reserved[start + offset] = _reserve(item)
         return True
+
+    async def _admitted(self, batch: Batch, item: dict[str, Any]) -> bool:
+        """The owner's rate limits let this new item start (and it is counted as a request)."""
+        limits = self.limiter.limits_for_owner(batch.owner) if self.limiter else None
+        if not limits:
+            return True
+        in_flight = sum(self.reserved.values())
+        if limits.tokens and in_flight and self._tokens_left is not None and in_flight + _reserve(item) > self._tokens_left:
+            return False
+        assert self.limiter is not None
+        window = await self.limiter.admit_owner(batch.owner, limits)
+        self._tokens_left = limits.tokens - window.tokens if limits.tokens else None
+        return not window.refused
 
     async def _start(self, batch: Batch, index: int, item: dict[str, Any], attempt: int, retries: int | None = None) -> bool:
         request_id = f"{self.batch_id}.{index}.{attempt}"
         reply_key = self.store.reply_stream(self.batch_id, index, attempt)
         try:
             request = items.batch_request(self.gateway, item, request_id, reply_key, batch.time("expires_at") or time.time())
-        except ApiError as error:  # valid at upload; not under this gateway's settings (a smaller context, say)
-            outcome = {"outcome": "errored", "request_id": request_id, "error": {"status": error.status, "code": error.code or "bad_request", "message": error.message}}
+        except Exception as exc:  # a body the endpoint refuses (checked here, not at upload: one bad item fails alone)
+            error = exc if isinstance(exc, ApiError) else ApiError(400, f"the request could not be read: {type(exc).__name__}")
+            if not isinstance(exc, ApiError):
+                log.warning("batch %s: item %d: %r", self.batch_id, index, exc)
+            outcome = {"outcome": "errored", "request_id": request_id, "error": {"status": error.status, "code": error.code or "invalid_request", "message": error.message, "param": error.param}}
             if retries is not None:
                 return await self.store.record(self.batch_id, index, outcome, retries)
             await self.store.record(self.batch_id, index, outcome, None)
@@ -257,9 +294,14 @@ class Driver:
         if outcome is None:
             await self._retry(batch, run)
             return
-        if await self.store.record(self.batch_id, run.index, outcome, run.attempt):
+        recorded = await self.store.record(self.batch_id, run.index, outcome, run.attempt)
+        if recorded:
             await self.store.redis.delete(run.reply_key)
+        if recorded == 2 and self.limiter is not None:
+            usage = ended.event.get("usage") or {}
+            await self.limiter.charge_owner(batch.owner, int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0))
         self.runs.pop(run.index, None)
+        self.reserved.pop(run.index, None)
 
     def _outcome(self, run: ItemRun, ended: Ended, ending: str | None) -> dict[str, Any] | None:
         """The item's outcome from how its run ended; None: run it again."""
@@ -333,6 +375,13 @@ class Driver:
                         yield line
 
             meta = {"filename": f"{self.batch_id}_{name}.jsonl", "purpose": "batch_output", "batch_id": self.batch_id}
-            await self.store.write_generated_file(file_id, meta, lines())
+            await self.store.write_generated_file(file_id, batch.owner, meta, lines())
             fields["output_file_id" if succeeded else "error_file_id"] = file_id
         return fields
+
+
+def _reserve(item: dict[str, Any]) -> int:
+    """The tokens an item may take: its body's max_completion_tokens or max_tokens."""
+    body = item.get("body") if isinstance(item.get("body"), dict) else {}
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    return value if isinstance(value, int) and value > 0 else DEFAULT_RESERVE

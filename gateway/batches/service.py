@@ -1,17 +1,17 @@
-"""What the batch handlers share: the store and runner of this gateway, bodies larger than a live
-request's, page limits, and turning input lines into validated items."""
+"""What the batch handlers share: the store and runner of this gateway, who the requester is (the
+owner of what it creates and the only one who finds it), bodies larger than a live request's,
+page limits, and the errors of an input's lines."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from ..auth import owner_of
 from ..context import Gateway, gateway_of
 from ..errors import ApiError
-from . import items
 from .runner import BatchRunner
 from .store import BatchStore
 
@@ -32,8 +32,9 @@ def batches_of(request: web.Request) -> Batches:
     return request.app[BATCHES]
 
 
-async def read_large_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, up to `limit` bytes (a batch's, not the app's smaller limit for live requests)."""
+async def read_large_body(request: web.Request, limit: int) -> bytearray:
+    """The whole body, up to `limit` bytes (a batch's, not the app's smaller limit for live requests);
+    not copied into `bytes` (64 MiB copied at once is a stall of the loop)."""
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, f"the body is larger than the {limit} bytes a batch may have")
     body = bytearray()
@@ -41,7 +42,7 @@ async def read_large_body(request: web.Request, limit: int) -> bytes:
         body += chunk
         if len(body) > limit:
             raise ApiError(413, f"the body is larger than the {limit} bytes a batch may have")
-    return bytes(body)
+    return body
 
 
 def page_limit(request: web.Request, default: int, most: int) -> int:
@@ -61,63 +62,19 @@ class LineError:
     code: str = "invalid_request"
 
 
-def item_or_error(gateway: Gateway, where: int, custom_id: Any, url: Any, body: Any, seen: set[str], urls: tuple[str, ...]) -> dict[str, Any] | LineError:
-    """One validated item ({custom_id, url, body}) for one of `urls`, or what is wrong with it."""
-    if not isinstance(custom_id, str) or not custom_id:
-        return LineError(where, "custom_id: must be a non-empty string", "custom_id")
-    if custom_id in seen:
-        return LineError(where, f"custom_id: {custom_id!r} is used twice; each request needs its own", "custom_id", "duplicate_custom_id")
-    if url not in urls:
-        return LineError(where, f"url: must be one of {', '.join(urls)}", "url")
-    try:
-        items.check(gateway, url, body)
-    except ApiError as error:
-        return LineError(where, error.message, f"body.{error.param}" if error.param else "body")
-    seen.add(custom_id)
-    return {"custom_id": custom_id, "url": url, "body": body}
-
-
-def openai_items(gateway: Gateway, data: bytes) -> tuple[list[dict[str, Any]], list[LineError]]:
-    """The items of an OpenAI batch input file (JSONL of {custom_id, method, url, body}) and every line's error."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return [], [LineError(0, "the file is not UTF-8 text")]
-    found: list[dict[str, Any]] = []
-    errors: list[LineError] = []
-    seen: set[str] = set()
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            request = json.loads(line)
-        except ValueError as exc:
-            errors.append(LineError(number, f"not valid JSON: {exc}"))
-            continue
-        if not isinstance(request, dict):
-            errors.append(LineError(number, "must be a JSON object {custom_id, method, url, body}"))
-            continue
-        if request.get("method", "POST") != "POST":
-            errors.append(LineError(number, "method: must be POST", "method"))
-            continue
-        item = item_or_error(gateway, number, request.get("custom_id"), request.get("url"), request.get("body"), seen, items.OPENAI_ENDPOINTS)
-        (errors if isinstance(item, LineError) else found).append(item)
-    return found, errors
-
-
-def count_limit(gateway: Gateway, found: int) -> LineError | None:
-    if found == 0:
-        return LineError(0, "the batch has no requests")
-    most = gateway.config.batch_max_items
-    return LineError(0, f"the batch has {found} requests; a batch may have at most {most}") if found > most else None
-
-
-def describe(errors: list[LineError], what: str | None = "line") -> str:
-    """The errors in one message: `line 3: messages: ...; line 7: ...` (`what` None: the messages alone)."""
+def describe(errors: list[LineError], what: str | None = "line", more: bool = False) -> str:
+    """The errors in one message: `line 3: messages: ...; line 7: ...` (`what` None: the messages alone;
+    `more`: reading stopped at these, there may be others)."""
     shown = "; ".join(f"{what} {error.line}: {error.message}" if error.line and what else error.message for error in errors[:MAX_REPORTED_ERRORS])
-    more = f"; and {len(errors) - MAX_REPORTED_ERRORS} more" if len(errors) > MAX_REPORTED_ERRORS else ""
-    return f"{len(errors)} invalid: {shown}{more}" if len(errors) > 1 else shown
+    if more:
+        return f"{len(errors)} or more invalid (reading stopped at the first {len(errors)}): {shown}"
+    return f"{len(errors)} invalid: {shown}" if len(errors) > 1 else shown
 
 
 def gateway_batches(request: web.Request) -> tuple[Gateway, Batches]:
     return gateway_of(request), batches_of(request)
+
+
+def owner(request: web.Request) -> str:
+    """The owner of what this request creates, and the only one it finds (gateway/auth.py's owner_of)."""
+    return owner_of(request)

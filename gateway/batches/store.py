@@ -8,10 +8,17 @@ Cluster the same with the home shard's hash tag: `lmq:{<tag>}:batch:<id>`, ...):
     lmq:batch:<id>:inflight   hash    item index -> "<attempt> <request stream> <entry id>": its run in the queue
     lmq:batch:<id>:results    hash    item index -> the item's outcome (JSON), written once (HSETNX)
     lmq:batch:<id>:lease      string  the gateway driving the batch (SET NX PX, renewed while it drives)
-    lmq:batches:<api>         zset    batch ids by creation time, for listing
+    lmq:batches:<api>[:<owner>] zset  batch ids by creation time, for listing, one index per owner
     lmq:batches-active        set     batches not ended yet: what gateways look for work in
     lmq:file:<id>             hash    a file's metadata      lmq:file:<id>:data  string: its bytes
-    lmq:files                 zset    file ids by creation time
+    lmq:files[:<owner>]       zset    file ids by creation time, one index per owner
+
+Every file and batch has an owner, the `owner` field of its hash: the digest of the API key that
+created it (gateway/auth.py: a hash, never the key), or "" on a gateway that takes no keys (one
+anonymous owner, whose indexes keep the names above without a suffix). A record is found only by
+its owner (`file`, `batch` answer None to anyone else: the handlers' 404), and lists read the
+owner's own index. Ids are checked against the shapes `new_id` makes before they name a key
+(`valid_id`), so a URL cannot name another kind of key (`<id>:data`).
 
 Every change that must not happen twice is one Lua script: enqueueing an item checks the lease,
 the batch's status and that the item is the next one (or the attempt it retries is the one in
@@ -32,6 +39,7 @@ one slot too.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -73,14 +81,15 @@ if ARGV[4] ~= '' then
   local current = redis.call('HGET', KEYS[2], ARGV[1])
   if current and string.match(current, '^%S+') ~= ARGV[4] then return 0 end
 end
-if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2]) == 1 then
+local wrote = redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2]) == 1
+if wrote then
   redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
   redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[5])
   redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[6])
   redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
 end
 redis.call('HDEL', KEYS[2], ARGV[1])
-return 1
+return wrote and 2 or 1  -- 2: this call wrote the outcome
 """
 
 RECORD_NEVER_RAN_LUA = r"""
@@ -131,8 +140,20 @@ return gone
 """
 
 
+ID_PATTERNS = {
+    "file": re.compile(r"file-[0-9a-f]{24}(-output|-errors)?"),  # uploads, and a batch's output and error files
+    "openai": re.compile(r"batch_[0-9a-f]{24}"),
+    "anthropic": re.compile(r"msgbatch_[0-9a-f]{24}"),
+}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
+
+
+def valid_id(kind: str, text: str) -> bool:
+    """`text` has the shape of an id this store makes for `kind` ("file", "openai", "anthropic")."""
+    return ID_PATTERNS[kind].fullmatch(text) is not None
 
 
 def _text(value: bytes | str | None) -> str:
@@ -190,6 +211,10 @@ class Batch:
         value = self.fields.get(name)
         return json.loads(value) if value else None
 
+    @property
+    def owner(self) -> str:
+        return self.fields.get("owner", "")
+
 
 @dataclass
 class FileRecord:
@@ -199,6 +224,10 @@ class FileRecord:
     @property
     def bytes(self) -> int:
         return int(self.fields.get("bytes") or 0)
+
+    @property
+    def owner(self) -> str:
+        return self.fields.get("owner", "")
 
 
 class BatchStore:
@@ -216,19 +245,30 @@ class BatchStore:
 
     # ------------------------------------------------------------ files
 
-    async def create_file(self, prefix: str, fields: dict[str, Any], data: bytes) -> FileRecord:
+    def file_index(self, owner: str) -> str:
+        return f"{self.home.file_index}:{owner}" if owner else self.home.file_index
+
+    def batch_index(self, api: str, owner: str) -> str:
+        return f"{self.home.batch_index(api)}:{owner}" if owner else self.home.batch_index(api)
+
+    async def create_file(self, prefix: str, owner: str, fields: dict[str, Any], data: bytes | bytearray) -> FileRecord:
+        """The bytes first, a MiB a command (one 64 MiB command held the gateway's loop for half a second
+        as it was copied into the socket's buffer), then the metadata that makes the file visible."""
         file_id = new_id(prefix)
         created = int(time.time())
-        record = {**{k: str(v) for k, v in fields.items()}, "bytes": str(len(data)), "created_at": str(created)}
+        record = {**{k: str(v) for k, v in fields.items()}, "owner": owner, "bytes": str(len(data)), "created_at": str(created)}
+        data_key, view = self.home.file_key(file_id, "data"), memoryview(data)
+        await self.redis.set(data_key, b"", ex=RETENTION_S)
+        for start in range(0, len(view), 1 << 20):
+            await self.redis.append(data_key, view[start : start + (1 << 20)])
         pipe = await transaction(self.redis)
-        pipe.set(self.home.file_key(file_id, "data"), data, ex=RETENTION_S)
         pipe.hset(self.home.file_key(file_id), mapping=record)
         pipe.expire(self.home.file_key(file_id), RETENTION_S)
-        pipe.zadd(self.home.file_index, {file_id: created})
+        pipe.zadd(self.file_index(owner), {file_id: created})
         await pipe.execute()
         return FileRecord(file_id, record)
 
-    async def write_generated_file(self, file_id: str, fields: dict[str, Any], lines: AsyncIterator[bytes]) -> FileRecord:
+    async def write_generated_file(self, file_id: str, owner: str, fields: dict[str, Any], lines: AsyncIterator[bytes]) -> FileRecord:
         """A file the gateway writes (a batch's output) under a name it chose, appended about a MiB at a
         time; written whole again if it existed (a gateway that took over a batch mid-way)."""
         data_key = self.home.file_key(file_id, "data")
@@ -240,11 +280,11 @@ class BatchStore:
                 size += await self._append(data_key, buffer)
         size += await self._append(data_key, buffer)
         created = int(time.time())
-        record = {**{k: str(v) for k, v in fields.items()}, "bytes": str(size), "created_at": str(created)}
+        record = {**{k: str(v) for k, v in fields.items()}, "owner": owner, "bytes": str(size), "created_at": str(created)}
         pipe = await transaction(self.redis)
         pipe.hset(self.home.file_key(file_id), mapping=record)
         pipe.expire(self.home.file_key(file_id), RETENTION_S)
-        pipe.zadd(self.home.file_index, {file_id: created})
+        pipe.zadd(self.file_index(owner), {file_id: created})
         await pipe.execute()
         return FileRecord(file_id, record)
 
@@ -255,9 +295,13 @@ class BatchStore:
             buffer.clear()
         return size
 
-    async def file(self, file_id: str) -> FileRecord | None:
+    async def file(self, file_id: str, owner: str) -> FileRecord | None:
+        """The file if `owner` owns it (None for a malformed id, a missing file, or another owner's)."""
+        if not valid_id("file", file_id):
+            return None
         raw = await self.redis.hgetall(self.home.file_key(file_id))
-        return FileRecord(file_id, {_text(k): _text(v) for k, v in raw.items()}) if raw else None
+        record = FileRecord(file_id, {_text(k): _text(v) for k, v in raw.items()}) if raw else None
+        return record if record is not None and record.owner == owner else None
 
     async def file_chunks(self, file_id: str, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
         key, start = self.home.file_key(file_id, "data"), 0
@@ -268,52 +312,62 @@ class BatchStore:
             yield chunk
             start += len(chunk)
 
-    async def file_data(self, file_id: str) -> bytes:
-        return await self.redis.get(self.home.file_key(file_id, "data")) or b""
+    async def file_data(self, file_id: str) -> bytearray:
+        """The file's bytes, read a MiB a command (the loop never holds one 64 MiB reply)."""
+        data = bytearray()
+        async for chunk in self.file_chunks(file_id):
+            data += chunk
+        return data
 
-    async def delete_file(self, file_id: str) -> bool:
+    async def delete_file(self, record: FileRecord) -> bool:
         pipe = await transaction(self.redis)
-        pipe.delete(self.home.file_key(file_id), self.home.file_key(file_id, "data"))
-        pipe.zrem(self.home.file_index, file_id)
+        pipe.delete(self.home.file_key(record.id), self.home.file_key(record.id, "data"))
+        pipe.zrem(self.file_index(record.owner), record.id)
         deleted, _ = await pipe.execute()
         return bool(deleted)
 
-    async def files(self, after: str | None, limit: int) -> tuple[list[FileRecord], bool]:
-        ids, has_more = await self._page(self.home.file_index, after, None, limit)
-        records = [await self.file(file_id) for file_id in ids]
+    async def files(self, owner: str, after: str | None, limit: int) -> tuple[list[FileRecord], bool]:
+        ids, has_more = await self._page(self.file_index(owner), after, None, limit)
+        records = [await self.file(file_id, owner) for file_id in ids]
         return [record for record in records if record is not None], has_more
 
     # ------------------------------------------------------------ batches
 
-    async def create_batch(self, prefix: str, api: str, fields: dict[str, Any], items: list[str]) -> Batch:
+    async def create_batch(self, prefix: str, api: str, owner: str, fields: dict[str, Any], items: list[str]) -> Batch:
         """Items first, then the batch and its index entries in one transaction: a gateway never
         finds an active batch without its items."""
         batch_id = new_id(prefix)
         for start in range(0, len(items), CHUNK):
             await self.redis.rpush(self.home.batch_key(batch_id, "items"), *items[start : start + CHUNK])
         now = time.time()
-        record = {**{k: str(v) for k, v in fields.items() if v is not None}, "api": api, "created_at": repr(now), "total": str(len(items)), "next": "0"}
+        record = {**{k: str(v) for k, v in fields.items() if v is not None}, "api": api, "owner": owner, "created_at": repr(now), "total": str(len(items)), "next": "0"}
         pipe = await transaction(self.redis)
         pipe.hset(self.home.batch_key(batch_id), mapping=record)
-        pipe.zadd(self.home.batch_index(api), {batch_id: now})
+        pipe.zadd(self.batch_index(api, owner), {batch_id: now})
         pipe.sadd(self.home.active_batches, batch_id)
         await pipe.execute()
         return Batch(batch_id, record)
 
-    async def batch(self, batch_id: str, api: str | None = None) -> Batch | None:
+    async def batch(self, batch_id: str) -> Batch | None:
+        """The batch, whoever owns it: for the runner, which drives every owner's batches."""
         raw = await self.redis.hgetall(self.home.batch_key(batch_id))
-        if not raw:
-            return None
-        batch = Batch.from_hash(batch_id, raw)
-        return batch if api is None or batch.api == api else None
+        return Batch.from_hash(batch_id, raw) if raw else None
 
-    async def batches(self, api: str, after: str | None, before: str | None, limit: int) -> tuple[list[Batch], bool]:
-        ids, has_more = await self._page(self.home.batch_index(api), after, before, limit)
+    async def owned_batch(self, batch_id: str, api: str, owner: str) -> Batch | None:
+        """The batch of `api` if `owner` owns it (None for a malformed id, a missing batch, or another owner's)."""
+        if not valid_id(api, batch_id):
+            return None
+        batch = await self.batch(batch_id)
+        return batch if batch is not None and batch.api == api and batch.owner == owner else None
+
+    async def batches(self, api: str, owner: str, after: str | None, before: str | None, limit: int) -> tuple[list[Batch], bool]:
+        index = self.batch_index(api, owner)
+        ids, has_more = await self._page(index, after, before, limit)
         found = []
         for batch_id in ids:
-            batch = await self.batch(batch_id, api)
+            batch = await self.owned_batch(batch_id, api, owner)
             if batch is None:  # expired: drop it from the index as we go
-                await self.redis.zrem(self.home.batch_index(api), batch_id)
+                await self.redis.zrem(index, batch_id)
             else:
                 found.append(batch)
         return found, has_more
@@ -329,7 +383,7 @@ class BatchStore:
         parts = ("", "items", "inflight", "results", "lease")
         pipe = await transaction(self.redis)
         pipe.delete(*(self.home.batch_key(batch.id, part) for part in parts))
-        pipe.zrem(self.home.batch_index(batch.api), batch.id)
+        pipe.zrem(self.batch_index(batch.api, batch.owner), batch.id)
         pipe.srem(self.home.active_batches, batch.id)
         await pipe.execute()
 
@@ -386,15 +440,16 @@ class BatchStore:
         keys = [batch(batch_id), batch(batch_id, "inflight"), batch(batch_id, "lease"), stream or batch(batch_id)]
         return await self._enqueue(keys=keys, args=[gateway_id, index, *args])
 
-    async def record(self, batch_id: str, index: int, outcome: dict[str, Any], attempt: int | None) -> bool:
-        """Write the item's outcome unless one is written; False when a newer attempt runs the item."""
+    async def record(self, batch_id: str, index: int, outcome: dict[str, Any], attempt: int | None) -> int:
+        """Write the item's outcome unless one is written: 2 when this call wrote it, 1 when one was
+        written already, 0 (false) when a newer attempt runs the item."""
         usage = outcome.get("usage") or {}
         keys = self._record_keys(batch_id)
         args = [
             index, json.dumps(outcome, separators=(",", ":")), outcome["outcome"], "" if attempt is None else str(attempt),
             usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0),
         ]  # fmt: skip
-        return bool(await self._record(keys=keys, args=args))
+        return int(await self._record(keys=keys, args=args))
 
     async def record_many(self, batch_id: str, outcomes: list[tuple[int, dict[str, Any]]]) -> None:
         """Outcomes of items that never ran (cancelled, expired), `CHUNK` to a script call (a cluster's
