@@ -12,6 +12,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from . import access_log
 from .config import GatewayConfig
 from .errors import ApiError
 
@@ -63,6 +64,7 @@ def auth_middleware(keys: frozenset[str]) -> Middleware:
                 raise ApiError(401, "no API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`", code="invalid_api_key")
             if not _is_known(key, keys):
                 raise ApiError(401, "the API key is not valid", code="invalid_api_key")
+            access_log.note(owner=access_log.key_tag(key))  # request ids are namespaced by it
         return await handler(request)
 
     return require_key
