@@ -1,9 +1,11 @@
 """The gateway's access log and request ids.
 
 Every request gets an id: the client's `X-Request-Id` when it sends a usable one (1-128 letters,
-digits, `_`, `.`, `:`, `-`), else a new one. A generation request uses it as its protocol id, so
-the worker's log lines carry it too, and the response returns it in `X-Request-Id`. When the
-request ends, one line on the logger `gateway.access`:
+digits, `_`, `.`, `:`, `-`), else a new one; the response returns it in `X-Request-Id`. A
+generation request's protocol id is that id, except that a client-chosen one is namespaced by its
+owner (owned_id below): `<key tag>:<X-Request-Id>` where the gateway checks API keys, so two keys
+choosing one id never meet on a worker. The access line's `request_id` is the protocol id, the one
+the worker's log lines carry. When the request ends, one line on the logger `gateway.access`:
 
     request_id=chatcmpl-1f2e... method=POST path=/v1/chat/completions api=openai model=SmolLM2-135M-Instruct
     status=200 prompt_tokens=37 completion_tokens=32 ttft_ms=45 duration_ms=480
@@ -15,6 +17,7 @@ Status 499: the client went away before the answer ended.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -32,6 +35,8 @@ PROBES = ("/health", "/ready", "/metrics")
 CLIENT_CLOSED = 499  # nginx's code for a client that left before the answer was complete
 _PLAIN = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
 _USABLE_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # the protocol's rule for request ids
+# Room for a choice's `-<index>` (gateway/choices.py, at most 4 characters) within the protocol's 128.
+MAX_OWNED_CHARS = 124
 
 log = logging.getLogger("gateway.access")
 
@@ -43,6 +48,8 @@ class AccessRecord:
     started: float
     client_id: str | None  # the client's X-Request-Id, when usable
     request_id: str | None = None
+    owner: str | None = None  # the tag of the client's verified API key (`k` + 12 hex of auth.key_digest), set by gateway/auth.py
+    protocol_id: str | None = None  # the id workers saw, when it differs from request_id
     model: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -68,6 +75,25 @@ def request_id(prefix: str) -> str:
     if record is not None:
         record.request_id = new
     return new
+
+
+
+def owned_id(request_id: str) -> str:
+    """The protocol id for `request_id`: a client's own X-Request-Id gets its owner's tag in front.
+
+    Without it, a client that knew (or guessed) another tenant's id could share that id's reply
+    route, holder key and cancellations. Ids the gateway made (random) stay as they are. An owned id
+    that would leave no room for a choice suffix keeps its first characters and a digest of the whole.
+    """
+    record = _current.get()
+    if record is None or record.client_id is None or request_id != record.client_id:
+        return request_id
+    owned = request_id if record.owner is None else f"{record.owner}:{request_id}"
+    if len(owned) > MAX_OWNED_CHARS:
+        owned = f"{owned[: MAX_OWNED_CHARS - 17]}.{hashlib.sha256(owned.encode()).hexdigest()[:16]}"
+    if owned != request_id:
+        record.protocol_id = owned
+    return owned
 
 
 def note(**fields: Any) -> None:
@@ -146,7 +172,7 @@ def _value(value: Any) -> str:
 def _log(request: web.Request, record: AccessRecord, status: int) -> None:
     now = time.monotonic()
     fields = {
-        "request_id": record.id(),
+        "request_id": record.protocol_id or record.id(),
         "method": request.method,
         "path": request.path,
         "api": _api(request.path),

@@ -191,8 +191,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     stream = bool(optional_bool(body, "stream"))
     plan = tool_calls.anthropic_plan(body)
     chat = parse_messages(body)
+    request_id = new_request_id("msg_")
     work = new_request(
-        gateway, new_request_id("msg_"), model, sampling,
+        gateway, request_id, model, sampling,
         messages=chat, tools=plan.tools, constraint=plan.constraint or parse_output_format(body), continue_final=continues_answer(chat),
     )  # fmt: skip
     async with Choices(gateway, [work], "messages") as choices:
@@ -202,11 +203,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
             content_text = reader.feed(text).text + reader.finish().text
             content = ([{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else [])
             content += [tool_use_block(call) for call in reader.calls]
-            return web.json_response(message_body(work.id, model, content, done, reader.calls))
+            return web.json_response(message_body(request_id, model, content, done, reader.calls))
         await choices.admitted(gateway.config.admission_wait)
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
-            request, lambda response: relay(response, choices, work, plan, keepalive), anthropic_error_body, gateway.metrics.errors, "error"
+            request, lambda response: relay(response, choices, request_id, work, plan, keepalive), anthropic_error_body, gateway.metrics.errors, "error"
         )
 
 
@@ -253,10 +254,10 @@ class _Blocks:
         await self.send({"type": "content_block_start", "index": self.index, "content_block": block})
 
 
-async def relay(response: web.StreamResponse, choices: Choices, work: protocol.Request, plan: ToolPlan, keepalive: float) -> None:
+async def relay(response: web.StreamResponse, choices: Choices, request_id: str, work: protocol.Request, plan: ToolPlan, keepalive: float) -> None:
     blocks = _Blocks(response)
     reader = ToolCallReader(plan, "toolu_")
-    await blocks.send({"type": "message_start", "message": message_body(work.id, work.model, [], None, [], choices.prompt_tokens)})
+    await blocks.send({"type": "message_start", "message": message_body(request_id, work.model, [], None, [], choices.prompt_tokens)})
     await blocks.send({"type": "ping"})
     async for item in choices.events(keepalive):
         if item is None:

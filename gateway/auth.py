@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from . import access_log
 from .config import GatewayConfig
 from .errors import ApiError
 
@@ -77,6 +78,7 @@ def auth_middleware(keys: frozenset[str]) -> Middleware:
             if not _is_known(key, keys):
                 raise ApiError(401, "the API key is not valid", code="invalid_api_key")
             request[_OWNER] = key_digest(key)
+            access_log.note(owner="k" + request[_OWNER][:12])  # request ids are namespaced by it
         return await handler(request)
 
     return require_key

@@ -18,7 +18,7 @@ from typing import Any
 import protocol
 
 from .context import Gateway
-from .generation import Delta, Done, Generation, Usage
+from .generation import Delta, Done, Generation, Usage, duplicate
 
 SEED_RANGE = 1 << 64
 
@@ -45,6 +45,12 @@ def total_usage(dones: list[Done], n: int) -> Usage:
 
 class Choices:
     def __init__(self, gateway: Gateway, requests: list[protocol.Request], api: str):
+        """Every choice's id is checked before any is enqueued: a reused id is a 409 with nothing sent.
+        (The choices are entered one by one; the router's own refusal catches an id taken meanwhile.)"""
+        if any(gateway.replies.is_open(request.id) for request in requests):
+            raise duplicate()
+        # Each choice's events come on its own id's reply address (on a cluster, its shard's channel).
+        requests = [dataclasses.replace(request, reply=gateway.replies.reply_for(request.id)) for request in requests]
         self.generations = [Generation(gateway, request, api) for request in requests]
         self._stack = contextlib.AsyncExitStack()
 

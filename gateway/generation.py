@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from protocol.tracing import traceparent, tracer
 from . import access_log
 from .context import Gateway
 from .errors import ApiError
+from .replies import AlreadyOpen
 
 
 @dataclass(frozen=True)
@@ -60,15 +62,15 @@ def new_request_id(prefix: str) -> str:
 def new_request(gateway: Gateway, request_id: str, model: str, sampling: protocol.SamplingParams, **prompt: Any) -> protocol.Request:
     """A protocol request whose events come back to this gateway; `prompt` is messages=, prompt= or prompt_ids=.
 
-    It is checked as a worker will check it, so a request the protocol refuses fails here (400 or 413),
-    before it is enqueued.
+    A client-chosen `request_id` becomes its owner's protocol id (access_log.owned_id). It is checked
+    as a worker will check it, so a request the protocol refuses fails here (400 or 413), before it
+    is enqueued. A reused id is refused (409) when it is opened: its choices may add suffixes.
     """
-    if gateway.replies.is_open(request_id):  # a client reusing its X-Request-Id while the first is running
-        raise ApiError(409, f"a request with id {request_id} is already in progress", code="duplicate_id")
+    owned = access_log.owned_id(request_id)
     request = protocol.Request(
-        id=request_id,
+        id=owned,
         model=model,
-        reply=gateway.replies.reply_for(request_id),
+        reply=gateway.replies.reply_for(owned),
         sampling=sampling,
         deadline=time.time() + gateway.config.request_timeout,
         announce=True,
@@ -79,6 +81,11 @@ def new_request(gateway: Gateway, request_id: str, model: str, sampling: protoco
     except protocol.ProtocolError as exc:
         raise ApiError(413 if exc.code == "too_large" else 400, exc.message, code=exc.code) from None
     return checked
+
+
+def duplicate() -> ApiError:
+    """A client reusing its X-Request-Id (or one its choices' ids `<id>-<index>` meet) while that request runs."""
+    return ApiError(409, "a request with this X-Request-Id is already in progress", code="duplicate_id")
 
 
 class Generation:
@@ -98,12 +105,19 @@ class Generation:
         self.prompt_tokens = 0  # from the worker's `started` event
         self._tokens_relayed = 0
         self._finished = False
+        self._cancel_token = secrets.token_hex(16)  # only this gateway can cancel the request (protocol `cancel_digest`)
         # The request's trace: the worker continues it from the protocol's `trace` field.
         self.span = tracer.start_span("lmq.gateway.request", attributes={"lmq.request_id": request.id, "lmq.model": request.model})
 
     async def __aenter__(self) -> "Generation":
-        self.request = dataclasses.replace(self.request, trace=traceparent(self.span))
-        self._events = self.gateway.replies.open(self.request.id)
+        self.request = dataclasses.replace(self.request, trace=traceparent(self.span), cancel_digest=protocol.cancel_digest(self._cancel_token))
+        try:
+            self._events = self.gateway.replies.open(self.request.id)
+        except AlreadyOpen:
+            error = duplicate()
+            self._end_span(error)
+            self.metrics.left(error)
+            raise error from None
         try:
             self._entry_id = await self.gateway.queue.submit(self.request)
         except BaseException as exc:
@@ -120,7 +134,7 @@ class Generation:
         self._end_span(exc)
         self.metrics.left(exc)
         if not self._finished:
-            await asyncio.shield(self.gateway.queue.withdraw(self.request, self._entry_id))
+            await asyncio.shield(self.gateway.queue.withdraw(self.request, self._entry_id, self._cancel_token))
 
     def _end_span(self, error: BaseException | None) -> None:
         self.span.set_attribute("lmq.completion_tokens", self._tokens_relayed)

@@ -213,11 +213,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top_logprobs = parse_chat_logprobs(body)
     plan = tool_calls.openai_plan(body)
     constraint = plan.constraint or parse_response_format(body)
+    request_id = new_request_id("chatcmpl-")
     work = new_request(
-        gateway, new_request_id("chatcmpl-"), model, sampling,
+        gateway, request_id, model, sampling,
         messages=parse_messages(body), tools=plan.tools, constraint=constraint, logprobs=top_logprobs,
     )  # fmt: skip
-    shape = ChatShape(work.id, model, streaming.include_usage, top_logprobs)
+    shape = ChatShape(request_id, model, streaming.include_usage, top_logprobs)
     async with Choices(gateway, choice_requests([work], n), shape.api) as choices:
         if not streaming.enabled:
             return web.json_response(await complete_chat(choices, shape, plan))

@@ -77,11 +77,12 @@ class RequestQueue:
             log.warning("could not tell whether %s was taken: %s", request.id, exc)
             return False
 
-    async def withdraw(self, request: protocol.Request, entry_id: str) -> None:
-        """Take back a request the client no longer waits for: unread, it is deleted; running, it is cancelled.
-        Two commands, not a pipeline: a cluster pipeline refuses PUBLISH."""
+    async def withdraw(self, request: protocol.Request, entry_id: str, cancel_token: str) -> None:
+        """Take back a request the client no longer waits for: unread, it is deleted; running, it is
+        cancelled with the token whose digest the request carries (so no one else's request of that id
+        is touched). Two commands, not a pipeline: a cluster pipeline refuses PUBLISH."""
         try:
             await self.redis.xdel(self.stream_of(request), entry_id)
-            await self.redis.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(request.id))
+            await self.redis.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(request.id, cancel_token))
         except RedisError as exc:  # the worker still drops it at its deadline
             log.warning("could not withdraw %s: %s", request.id, exc)

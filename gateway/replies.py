@@ -20,6 +20,10 @@ RECONNECT_DELAY_S = 0.5
 LOST = "unavailable"  # the error code an open request gets when its events may have been missed
 
 
+class AlreadyOpen(Exception):
+    """A request with this id is open on this gateway: its events cannot go to two queues."""
+
+
 class ReplyRouter:
     """Subscribes once, before any request is accepted, so no event can be published unheard.
 
@@ -57,7 +61,10 @@ class ReplyRouter:
         return protocol.Reply("pubsub", self.channel)
 
     def open(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
-        """The queue that will receive the request's events."""
+        """The queue that will receive the request's events. An id already open raises AlreadyOpen:
+        replacing its queue would hand the running request's events to the newcomer."""
+        if request_id in self._queues:
+            raise AlreadyOpen(request_id)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue

@@ -17,10 +17,12 @@ from .progress import decode_progress, encode_progress
 from .messages import (
     DISTRIBUTION_FIELDS,
     VERSION,
+    Cancel,
     Heartbeat,
     Reply,
     Request,
     SamplingParams,
+    cancel_digest,
     cancel_message,
     decode_cancel,
     decode_event,

@@ -7,6 +7,7 @@ every field; this module is the executable form of that page.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -40,6 +41,8 @@ NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}  # worker
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+MIN_TOKEN_CHARS = 16  # a cancel token short enough to guess would protect nothing
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class Request:
     logprobs: int | None = None  # report each token's logprob and this many alternatives (0-20)
     continue_final: bool = False  # continue the last (assistant) message instead of starting a new turn
     announce: bool = False  # send a `started` event when a worker admits the request
+    cancel_digest: str | None = None  # hex SHA-256 of the token a cancel must present (see cancel_digest())
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -345,6 +349,7 @@ def _parse_request_body(data: dict[str, Any], request_id: str, reply: Reply) -> 
         logprobs=_int(data, "logprobs", None, 0, MAX_LOGPROBS),
         continue_final=_bool(data, "continue_final", False),
         announce=_bool(data, "announce", False),
+        cancel_digest=_digest(data.get("cancel_digest")),
     )
 
 
@@ -360,6 +365,14 @@ def _traceparent(value: Any) -> str | None:
         return None
     if not isinstance(value, str) or not _TRACEPARENT.match(value):
         raise _fail("trace", "must be a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
+    return value
+
+
+def _digest(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _DIGEST.match(value):
+        raise _fail("cancel_digest", "must be 64 lowercase hex digits (SHA-256 of the cancel token)")
     return value
 
 
@@ -439,13 +452,41 @@ def decode_event(raw: bytes) -> dict[str, Any]:
 # ---------------------------------------------------------------- cancellations and heartbeats
 
 
-def cancel_message(request_id: str) -> bytes:
-    return encode({"v": VERSION, "id": request_id})
+@dataclass(frozen=True)
+class Cancel:
+    """A cancellation: `digest` is the SHA-256 of the token it presented, None for one without a token.
+
+    It stops only the request with this id whose `cancel_digest` is that digest: a request enqueued
+    with a digest can be cancelled only by whoever holds its token, and a cancel without a token (the
+    form producers sent before tokens existed) reaches only requests enqueued without a digest.
+    """
+
+    id: str
+    digest: str | None = None
 
 
-def decode_cancel(raw: bytes) -> str:
+def cancel_digest(token: str) -> str:
+    """What a request carries as `cancel_digest` for a cancel that presents `token`."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def cancel_message(request_id: str, token: str | None = None) -> bytes:
+    message: dict[str, Any] = {"v": VERSION, "id": request_id}
+    if token is not None:
+        message["token"] = token
+    return encode(message)
+
+
+def decode_cancel(raw: bytes) -> Cancel:
     data = decode_map(raw)
-    return _safe_name(data.get("id"), "id")
+    request_id = _safe_name(data.get("id"), "id")
+    token = data.get("token")
+    if token is None:
+        return Cancel(request_id)
+    token = _safe_name(token, "token")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise _fail("token", f"must be at least {MIN_TOKEN_CHARS} characters")
+    return Cancel(request_id, cancel_digest(token))
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,7 @@ async def cancels_heard(redis_client) -> AsyncIterator[asyncio.Queue[str]]:
 
     async def listen():
         async for message in pubsub.listen():
-            ids.put_nowait(protocol.decode_cancel(message["data"]))
+            ids.put_nowait(protocol.decode_cancel(message["data"]).id)
 
     task = asyncio.create_task(listen())
     try:

@@ -129,11 +129,25 @@ def test_events_and_batches_round_trip():
 
 
 def test_cancel_and_heartbeat_round_trip():
-    assert protocol.decode_cancel(protocol.cancel_message("r-9")) == "r-9"
+    assert protocol.decode_cancel(protocol.cancel_message("r-9")) == protocol.Cancel("r-9", None)
     beat = protocol.Heartbeat("w1", "m", 8, 2, 1, 10, 100, 5.0)
     assert protocol.Heartbeat.decode(beat.encode()) == beat
     with pytest.raises(ProtocolError):
         protocol.decode_cancel(protocol.encode({"v": 1, "id": "no spaces allowed"}))
+
+
+def test_a_cancel_token_travels_as_its_digest_and_a_request_names_the_digest():
+    token = "t" * 32
+    assert protocol.decode_cancel(protocol.cancel_message("r-9", token)) == protocol.Cancel("r-9", protocol.cancel_digest(token))
+    with pytest.raises(ProtocolError, match="token: must be at least 16"):
+        protocol.decode_cancel(protocol.cancel_message("r-9", "short"))
+    with pytest.raises(ProtocolError, match="token"):
+        protocol.decode_cancel(protocol.encode({"v": 1, "id": "r-9", "token": 7}))
+    digest = protocol.cancel_digest(token)
+    assert protocol.decode_request(msgpack.packb(request(cancel_digest=digest))).cancel_digest == digest
+    assert protocol.decode_request(msgpack.packb(request())).cancel_digest is None
+    with pytest.raises(ProtocolError, match="cancel_digest"):
+        protocol.decode_request(msgpack.packb(request(cancel_digest="ABC")))
 
 
 def test_logit_bias_may_have_integer_keys_as_python_writes_them():

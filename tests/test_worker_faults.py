@@ -60,7 +60,7 @@ async def test_a_lost_consumer_group_is_recreated(tiny, redis_url, redis_client)
 async def test_a_cancel_that_arrives_before_the_request_starts_is_not_lost(tiny, redis_url, redis_client):
     async with running_worker(worker_config(redis_url, "w1"), tiny) as worker:
         await redis_client.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message("early"))
-        await wait_for(lambda: _true("early" in worker._early_cancels), what="the cancellation to reach the worker")
+        await wait_for(lambda: _true(("early", None) in worker._early_cancels), what="the cancellation to reach the worker")
         await enqueue(redis_client, chat_request("early", max_tokens=200))
         events = await final_events(redis_client, "out:early")
     assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "cancelled"

@@ -31,6 +31,7 @@ from protocol.cluster_url import shard_layout
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from worker import compute_thread
 from protocol.keys import BATCH, INTERACTIVE
+from worker.cancel_memory import CancelMemory
 from worker.claims import Entry, RequestStreams, is_missing_group, model_lanes
 from worker.chat_render import tool_calls_grammar
 from worker.config import WorkerConfig, parse_kv_memory
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000
 REDIS_RETRY_S = 1.0
-CANCEL_MEMORY_S = 120.0  # a cancellation for a request not yet started is remembered this long
 HOLDER_MARGIN_S = 60  # a request's holder key outlives its deadline by this much
 CANCEL_TRIES, CANCEL_WAIT_S = 10, 1.0
 # SET NX EX, and answer who holds the key now (this entry, or the one that held it already).
@@ -93,7 +93,7 @@ class Worker:
         # stale on another event loop, which fails (seen after a primary came back).
         self._hold = redis.register_script(HOLD_LUA)
         self._room = asyncio.Event()
-        self._early_cancels: dict[str, float] = {}  # request id -> when its cancellation arrived
+        self._early_cancels = CancelMemory()  # (request id, token digest) of cancels for requests not started yet
 
     # ------------------------------------------------------------ lifetime
 
@@ -250,17 +250,18 @@ class Worker:
             await cancels.aclose()
 
     def _cancel(self, raw: bytes) -> None:
+        """Stop the request the cancel names (its id and its token's digest, protocol.Cancel); a cancel
+        naming no request this worker runs is remembered: perhaps it was read but has not started yet."""
         try:
-            request_id = decode_cancel(raw)
+            cancel = decode_cancel(raw)
         except ProtocolError as exc:
             log.info("ignored a malformed cancellation: %s", exc)
             return
-        if request_id in self.table.running:
-            self.engine.cancel(request_id)
-        else:  # perhaps read but not started yet (admission awaits Redis): remember it for a while
-            now = time.monotonic()
-            self._early_cancels = {rid: t for rid, t in self._early_cancels.items() if now - t < CANCEL_MEMORY_S}
-            self._early_cancels[request_id] = now
+        running = self.table.running.get(cancel.id)
+        if running is not None and running.request.cancel_digest == cancel.digest:
+            self.engine.cancel(cancel.id)
+        else:
+            self._early_cancels.remember((cancel.id, cancel.digest))
 
     def _time_out_overdue(self) -> None:
         now = time.time()
@@ -344,7 +345,7 @@ class Worker:
         self.table.start(request, entry_id, len(streamed), len(prompt_ids))
         resumed = f", resuming after {len(streamed)} streamed tokens" if streamed else ""
         log.info("request_id=%s started: %d prompt tokens%s", request.id, len(prompt_ids), resumed, extra={"request_id": request.id})
-        if self._early_cancels.pop(request.id, None) is not None:
+        if self._early_cancels.take((request.id, request.cancel_digest)):
             self.engine.cancel(request.id)
 
     def _on_step(self, outputs: list[SeqOutput]) -> None:
