@@ -157,7 +157,7 @@ async def test_worker_stalled_past_the_claim_time_then_woken_leaves_the_entry_to
     expected = pool.take(4)
     http_prompts, foreign_prompts = list(expected)[:2], list(expected)[2:]
     foreign = {f"stall-{tag}-{i}": prompt for i, prompt in enumerate(foreign_prompts)}
-    reply_key = {request_id: f"lmq:test:reply:{request_id}" for request_id in foreign}
+    reply_key = {request_id: f"lmq:reply:test:{request_id}" for request_id in foreign}
 
     async with client_session() as session:
         streams = [ChatStream(stack.urls[i % len(stack.urls)], prompt) for i, prompt in enumerate(http_prompts)]
