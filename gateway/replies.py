@@ -15,6 +15,10 @@ from protocol.redis_client import pubsub
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.5
+# Workers keep each reply message within protocol.MAX_MESSAGE_BYTES; one from an older worker that put a
+# whole step in one message (and one huge event beside everyone's) is still read up to this size, so a
+# rolling upgrade does not fail the other streams of that step.
+OLD_WORKER_BATCH_BYTES = 16 << 20
 
 
 LOST = "unavailable"  # the error code an open request gets when its events may have been missed
@@ -103,8 +107,10 @@ class ReplyRouter:
             queue.put_nowait(protocol.error_event(request_id, -1, LOST, message))
 
     def _route(self, data: bytes) -> None:
+        if len(data) > protocol.MAX_MESSAGE_BYTES:  # a worker that predates the split of a step's message
+            log.warning("a reply on %s is %d bytes, over the %d that workers keep to; routed all the same", self.channel, len(data), protocol.MAX_MESSAGE_BYTES)
         try:
-            events = protocol.decode_event_batch(data)
+            events = protocol.decode_event_batch(data, OLD_WORKER_BATCH_BYTES)
         except protocol.ProtocolError as exc:
             log.warning("dropped a malformed reply on %s: %s", self.channel, exc)
             return

@@ -24,6 +24,7 @@ class ModelRegistry:
         self.home = home  # where heartbeats live
         self._served: set[str] = set()
         self._read_at = float("-inf")
+        self._malformed: set[bytes] = set()  # heartbeat keys already logged as malformed (logged once each)
 
     async def heartbeats(self) -> list[protocol.Heartbeat]:
         keys = [key async for key in self.redis.scan_iter(match=f"{self.home.worker_key_prefix}*", count=1000)]
@@ -34,8 +35,10 @@ class ModelRegistry:
                 continue
             try:
                 beats.append(protocol.Heartbeat.decode(raw))
-            except protocol.ProtocolError as exc:
-                log.warning("ignored a malformed heartbeat in %s: %s", key, exc)
+            except protocol.ProtocolError as exc:  # skipped, not fatal: any one key must not fail every request
+                if key not in self._malformed:
+                    log.warning("ignored a malformed heartbeat in %s: %s", key, exc)
+                self._malformed.add(key)
         return beats
 
     async def served(self, *, fresh: bool = False) -> set[str]:

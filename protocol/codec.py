@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import msgpack
@@ -9,7 +10,7 @@ import msgpack
 from .errors import ProtocolError
 
 MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB: a request larger than this is refused
-MAX_SALVAGE_BYTES = 64 << 20  # up to this size a refused message is still read for its reply address
+MAX_SALVAGED_CHARS = 1024  # a refused message's `id` and `reply` are read only when this small
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -20,23 +21,36 @@ def encode(obj: dict[str, Any]) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def decode_map(data: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Decode one msgpack map with string keys, or raise ProtocolError."""
+def decode_map(data: bytes | bytearray | memoryview, limit: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """Decode one msgpack map with string keys, or raise ProtocolError; one over `limit` bytes is refused unread."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError("bad_request", "message must be msgpack bytes")
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError("too_large", f"message is {len(data)} bytes; the limit is {MAX_MESSAGE_BYTES}")
+    if len(data) > limit:
+        raise ProtocolError("too_large", f"message is {len(data)} bytes; the limit is {limit}")
     return _unpack_map(data)
 
 
-def salvage_map(data: bytes | bytearray | memoryview) -> dict[str, Any] | None:
-    """The map of a message refused for its size, to find out where to send the refusal; None if unreadable."""
-    if len(data) > MAX_SALVAGE_BYTES:
-        return None
+def salvage_fields(data: bytes | bytearray | memoryview, names: tuple[str, ...]) -> dict[str, Any]:
+    """The top-level fields `names` of a message refused for its size (to find where to send the
+    refusal), read without building anything else: the other values are skipped in place, and a
+    salvaged value longer than MAX_SALVAGED_CHARS is not read. Whatever cannot be read is left out.
+    An oversize entry therefore costs no more memory than its own bytes, whatever it holds."""
+    small = MAX_SALVAGED_CHARS
+    unpacker = msgpack.Unpacker(
+        io.BytesIO(data), raw=False, strict_map_key=False, ext_hook=_refuse_ext,
+        max_str_len=small, max_bin_len=small, max_array_len=small, max_map_len=small,
+    )
+    found: dict[str, Any] = {}
     try:
-        return _unpack_map(data)
-    except ProtocolError:
-        return None
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key in names and key not in found:
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+    except Exception:  # not a map, truncated, a key or salvaged value over the limits: keep what was read
+        pass
+    return found
 
 
 def _unpack_map(data: bytes | bytearray | memoryview) -> dict[str, Any]:

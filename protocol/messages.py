@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .codec import decode_map, encode, salvage_map
+from .codec import MAX_MESSAGE_BYTES, decode_map, encode, salvage_fields
 from .errors import ProtocolError
 
 VERSION = 1
@@ -40,6 +40,12 @@ DISTRIBUTION_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}  # workers serve interactive work first; batch work uses spare capacity
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+# The reply addresses a producer may name inside lmq's own namespace (`lmq:`, protocol/keys.py): a
+# gateway's reply channel and its own reply keys (`lmq:reply:...`), a batch item's reply stream
+# (`lmq:batch:<id>:reply:<index>.<attempt>`), each with or without a shard's hash tag. Any other
+# `lmq:` key is lmq's state (request streams, progress, heartbeats, ...), which a reply must not write.
+LMQ_NAMESPACE = "lmq:"
+_LMQ_REPLY = re.compile(r"^lmq:(\{[^{}]+\}:)?(reply:.+|batch:[A-Za-z0-9_\-]+:reply:[0-9]+\.[0-9]+)$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 MIN_TOKEN_CHARS = 16  # a cancel token short enough to guess would protect nothing
@@ -222,6 +228,10 @@ def parse_reply(data: Any) -> Reply:
     key = _str(data.get("key"), "reply.key", 256)
     if not key:
         raise _fail("reply.key", "must not be empty")
+    if key.startswith(LMQ_NAMESPACE) and not _LMQ_REPLY.match(key):
+        raise ProtocolError(
+            "reply_denied", f"reply.key: {key!r} lies in lmq's own namespace; use a key outside `lmq:` or under `lmq:reply:` (docs/protocol.md)"
+        )
     return Reply(kind=kind, key=key)
 
 
@@ -377,18 +387,18 @@ def _digest(value: Any) -> str | None:
 
 
 def decode_request(raw: bytes) -> Request:
+    """Refuses a message over MAX_MESSAGE_BYTES by its size, before unpacking it; its `id` and
+    `reply` are still read (and nothing else: see codec.salvage_fields) so the refusal can be answered."""
     try:
         data = decode_map(raw)
     except ProtocolError as exc:
         if exc.code == "too_large":  # still answer it where it says to, if it can be read
-            _add_address(exc, salvage_map(raw))
+            _add_address(exc, salvage_fields(raw, ("id", "reply")))
         raise
     return parse_request(data)
 
 
-def _add_address(error: ProtocolError, data: dict[str, Any] | None) -> None:
-    if data is None:
-        return
+def _add_address(error: ProtocolError, data: dict[str, Any]) -> None:
     try:
         error.reply = parse_reply(data.get("reply"))
     except ProtocolError:
@@ -505,12 +515,32 @@ class Heartbeat:
 
     @classmethod
     def decode(cls, raw: bytes) -> "Heartbeat":
+        """Every field checked for its type and range: a heartbeat is read by every gateway on every
+        request, so one malformed key (written by anything that can write `lmq:worker:*`) must be
+        refused here, as a ProtocolError its reader can skip, not fail them all later."""
         data = decode_map(raw)
-        data.pop("v", None)
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ProtocolError("bad_request", f"not a heartbeat: {exc}") from None
+        unknown = set(data) - {"v", *HEARTBEAT_FIELDS}
+        if unknown:
+            raise _fail("heartbeat", f"unknown fields {sorted(unknown)}")
+        if data.get("v", VERSION) != VERSION:
+            raise ProtocolError("unsupported_version", f"heartbeat version {data.get('v')!r} is not {VERSION}")
+        counts = {name: _required_int(data, name) for name in HEARTBEAT_FIELDS[2:-1]}
+        beat_time = data.get("time")
+        if isinstance(beat_time, bool) or not isinstance(beat_time, (int, float)) or not math.isfinite(beat_time):
+            raise _fail("time", "must be unix seconds")
+        worker_id = _safe_name(data.get("worker_id"), "worker_id")
+        return cls(worker_id=worker_id, model=_safe_name(data.get("model"), "model"), time=float(beat_time), **counts)
+
+
+HEARTBEAT_FIELDS = ("worker_id", "model", "capacity", "running", "waiting", "kv_pages_used", "kv_pages_total", "time")
+
+
+def _required_int(data: dict, name: str) -> int:
+    if name not in data:
+        raise _fail(name, "is required")
+    value = _int(data, name, None, 0, 1 << 62)
+    assert value is not None
+    return value
 
 
 # ---------------------------------------------------------------- one pub/sub message per reply channel per step
@@ -521,8 +551,10 @@ def encode_event_batch(events: list[dict[str, Any]]) -> bytes:
     return encode({"v": VERSION, "events": events})
 
 
-def decode_event_batch(raw: bytes) -> list[dict[str, Any]]:
-    data = decode_map(raw)
+def decode_event_batch(raw: bytes, limit: int = MAX_MESSAGE_BYTES) -> list[dict[str, Any]]:
+    """Workers keep a batch within MAX_MESSAGE_BYTES (worker/publisher.py); `limit` lets a reader
+    accept a larger one from a worker older than that rule."""
+    data = decode_map(raw, limit)
     events = data.get("events")
     if data.get("v") != VERSION or not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise ProtocolError("bad_request", "not an lmq event batch")

@@ -22,7 +22,7 @@ from protocol.cluster_url import shard_layout
 from protocol.redis_client import connect_sync
 
 # Keys a test of test_cluster.py writes itself, deleted before the next one (on each node).
-TEST_KEY_PATTERNS = ("lmq:test:*", "lmq:{*}:test:*", "myapp:*")
+TEST_KEY_PATTERNS = ("lmq:test:*", "lmq:{*}:test:*", "lmq:{*}:reply:test:*", "myapp:*")
 
 
 class ClusterStack(Stack):

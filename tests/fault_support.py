@@ -62,7 +62,7 @@ GATEWAY_SETTINGS = {
 CLIENT_TIMEOUT_S = 40.0  # above the gateway's own limits: running into it is a hang
 START_TIMEOUT_S = 60.0
 LOG_TAIL_LINES = 25
-TEST_KEY_PATTERNS = ("lmq:test:*", "lmq:progress:*", "myapp:*")
+TEST_KEY_PATTERNS = ("lmq:test:*", "lmq:reply:test:*", "lmq:progress:*", "myapp:*")
 
 
 # ---------------------------------------------------------------- waiting

@@ -192,7 +192,7 @@ async def test_the_request_path_is_spread_over_every_primary_with_no_untagged_ke
     for shard in layout.shards:
         ids += [request_id for request_id in (f"spread-{uuid.uuid4().hex}" for _ in range(1000)) if layout.for_request(request_id) == shard][:2]
     assert len(ids) == 2 * SHARDS
-    keys = {request_id: layout.for_request(request_id).key(f"test:reply:{request_id}") for request_id in ids}
+    keys = {request_id: layout.for_request(request_id).key(f"reply:test:{request_id}") for request_id in ids}
     added_before = {stream: stack.entries_added(stream) for stream in stack.streams}
     for request_id in ids:
         request = foreign_request(request_id, f"spread {request_id}", keys[request_id], max_tokens=16)
@@ -244,7 +244,7 @@ async def test_a_foreign_producer_on_a_cluster_gets_pubsub_and_tagged_stream_rep
     try:
         pubsub_id, stream_id = f"foreign-ps-{tag}", f"foreign-st-{tag}"
         channel = f"myapp:reply:{pubsub_id}"  # a channel may have any name
-        reply_key = layout.for_request(stream_id).key(f"test:reply:{stream_id}")  # a stream carries its shard's tag
+        reply_key = layout.for_request(stream_id).key(f"reply:test:{stream_id}")  # a stream carries its shard's tag
         await subscription.subscribe(channel)
         for request_id, request in (
             (pubsub_id, foreign_request(pubsub_id, prompt_a, channel, reply_kind="pubsub")),

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import aiohttp
+import msgpack
 import pytest
 
 import protocol
-from gateway_support import MODEL, announce, running_gateway
+from gateway_support import MODEL, announce, running_gateway, words_script, worker_running
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -230,3 +231,19 @@ async def test_health_ready_models_and_metrics(redis_url, redis_client, http):
             assert 'lmq_queue_depth{model="model-a"} 0.0' in text
             assert 'lmq_errors_total{code="model_not_found"} 1.0' in text
             assert "lmq_http_requests_total" in text
+
+
+async def test_a_malformed_heartbeat_is_skipped_not_a_500(redis_url, redis_client, http):
+    """A heartbeat key with `model` a list (anything that can write lmq:worker:* could write it):
+    /ready, /v1/models and requests still answer from the good heartbeats."""
+    await announce(redis_client, MODEL, "good")
+    bad = {"v": 1, "worker_id": "evil", "model": ["x"], "capacity": 4, "running": 0, "waiting": 0, "kv_pages_used": 0, "kv_pages_total": 8, "time": 1.0}
+    await redis_client.set(protocol.worker_key("evil"), msgpack.packb(bad), ex=60)
+    async with running_gateway(redis_url) as url:
+        async with http.get(url + "/ready") as response:
+            assert response.status == 200 and (await response.json())["models"] == [MODEL]
+        async with http.get(url + "/v1/models") as response:
+            assert response.status == 200 and [model["id"] for model in (await response.json())["data"]] == [MODEL]
+        async with worker_running(redis_client, words_script(["Hi"])):
+            async with http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}) as response:
+                assert response.status == 200, await response.text()

@@ -159,3 +159,57 @@ def test_an_oversize_message_is_refused_but_its_reply_address_is_read():
     error = refused(request(prompt="x" * protocol.MAX_MESSAGE_BYTES, messages=None))
     assert error.code == "too_large"
     assert (error.request_id, error.reply) == ("req-1", Reply("pubsub", "lmq:reply:g1"))
+
+
+# ---------------------------------------------------------------- what a foreign producer may write
+
+
+@pytest.mark.parametrize(
+    "key", ["lmq:req:smollm2", "lmq:{T0}:req:smollm2", "lmq:progress:r1", "lmq:worker:w1", "lmq:dead", "lmq:batch:batch_1", "lmq:test:out", "lmq:reply:"]
+)
+def test_a_reply_key_in_lmqs_own_namespace_is_refused(key):
+    for kind in ("pubsub", "spubsub", "stream"):
+        error = refused(request(reply={"kind": kind, "key": key}))
+        assert error.code == "reply_denied" and "reply.key" in error.message
+        assert error.reply is None  # no event may go there
+
+
+@pytest.mark.parametrize(
+    "key", ["out:r1", "myapp:reply:1", "lmq:reply:g1", "lmq:reply:myapp:r1", "lmq:{T0}:reply:g1", "lmq:batch:batch_ab12:reply:3.0", "lmq:{T1}:batch:msgbatch_9:reply:0.2"]
+)
+def test_reply_keys_outside_lmq_or_in_its_reply_forms_are_accepted(key):
+    assert protocol.decode_request(msgpack.packb(request(reply={"kind": "stream", "key": key}))).reply.key == key
+
+
+def test_an_oversize_message_is_not_unpacked_beyond_its_address(monkeypatch):
+    """Only `id` and `reply` are read from an entry over the limit: a 16 MiB list is skipped, not built."""
+    calls = []
+    real = msgpack.unpackb
+    monkeypatch.setattr(msgpack, "unpackb", lambda *args, **kwargs: calls.append(args) or real(*args, **kwargs))
+    error = refused(request(prompt_ids=list(range(4 << 20)), messages=None))
+    assert error.code == "too_large" and (error.request_id, error.reply) == ("req-1", Reply("pubsub", "lmq:reply:g1"))
+    assert calls == []
+
+
+def test_an_oversize_message_with_a_huge_id_or_reply_gives_no_address():
+    error = refused(request(id="x" * (2 << 20)))
+    assert error.code == "too_large" and error.request_id is None
+
+
+GOOD_BEAT = {"v": 1, "worker_id": "w1", "model": "m", "capacity": 4, "running": 0, "waiting": 0, "kv_pages_used": 1, "kv_pages_total": 8, "time": 1.5}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"model": ["m"]}, {"model": None}, {"worker_id": 7}, {"capacity": "4"}, {"running": -1}, {"time": "now"}, {"time": True}, {"waiting": 1.5}, {"extra": 1}, {"v": 2}],
+    ids=["model-list", "model-nil", "id-int", "capacity-str", "running-negative", "time-str", "time-bool", "waiting-float", "unknown-field", "version"],
+)
+def test_a_heartbeat_with_a_wrong_field_is_refused(change):
+    with pytest.raises(ProtocolError):
+        protocol.Heartbeat.decode(msgpack.packb({**GOOD_BEAT, **change}))
+
+
+def test_a_heartbeat_missing_a_field_is_refused():
+    with pytest.raises(ProtocolError):
+        protocol.Heartbeat.decode(msgpack.packb({k: v for k, v in GOOD_BEAT.items() if k != "capacity"}))
+    assert protocol.Heartbeat.decode(msgpack.packb(GOOD_BEAT)).model == "m"

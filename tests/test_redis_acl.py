@@ -1,6 +1,8 @@
 """The ACL user of docs/deploy.md (created from the doc's own line, tests/redis_acl.py) can run
 everything lmq does on `lmq:` keys and channels, on every kind of server, and nothing outside."""
 
+import shlex
+
 import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
@@ -126,3 +128,39 @@ async def test_running_the_line_again_resets_the_user(any_redis_url):
     with pytest.raises(AuthenticationError), redis.Redis.from_url(user_url(any_redis_url, "lmq", "A_LONG_PASSWORD")) as client:
         client.ping()
 
+
+
+def _producer_line() -> str:
+    from redis_acl import DEPLOY_DOC
+
+    [line] = [line.strip() for line in DEPLOY_DOC.read_text().splitlines() if line.strip().startswith("ACL SETUSER myapp ")]
+    return line.replace("ITS_PASSWORD", "producer-password")
+
+
+async def test_a_producers_user_of_the_doc_writes_requests_and_reads_only_its_replies(any_redis_url, any_redis_server):
+    """docs/deploy.md's producer user (Redis 7+ / Valkey: a selector): XADD to request streams but not read
+    them, read and delete its own reply keys, subscribe to its channels, announce cancels; nothing else."""
+    if "valkey" not in any_redis_server.name.lower() and any_redis_server.version.startswith("6."):
+        pytest.skip("ACL selectors need Redis 7 or Valkey")
+    with redis.Redis.from_url(any_redis_url) as admin:
+        admin.execute_command(*shlex.split(_producer_line()))
+        admin.xadd("lmq:reply:myapp:1", {"msg": b"event"})
+    r = connect(user_url(any_redis_url, "myapp", "producer-password"))
+    try:
+        await r.xadd(STREAM, {"msg": b"request"})
+        assert len(await r.xrange("lmq:reply:myapp:1")) == 1
+        await r.delete("lmq:reply:myapp:1")
+        await r.publish("lmq:cancel", b"x")
+        denied = {
+            "read a request stream": lambda: r.xrange(STREAM),
+            "write the dead letters": lambda: r.xadd("lmq:dead", {"msg": b"x"}),
+            "write another's reply": lambda: r.xadd("lmq:reply:other:1", {"msg": b"x"}),
+            "delete a request stream": lambda: r.delete(STREAM),
+            "publish to a gateway": lambda: r.publish("lmq:reply:g1", b"x"),
+        }
+        for what, command in denied.items():
+            with pytest.raises(NoPermissionError):
+                await command()
+                pytest.fail(f"the producer may {what}")
+    finally:
+        await r.aclose()

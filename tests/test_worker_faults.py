@@ -32,17 +32,17 @@ async def test_a_reply_key_the_worker_may_not_write_fails_that_request_alone(tin
         bad_stream = chat_request("bad-stream", max_tokens=6)
         bad_stream = protocol.Request(**{**bad_stream.__dict__, "reply": protocol.Reply("stream", "myapp:reply:1")})
         bad_channel = protocol.Request(**{**bad_stream.__dict__, "id": "bad-channel", "reply": protocol.Reply("pubsub", "myapp:replies")})
-        good = protocol.Request(**{**chat_request("good", max_tokens=6).__dict__, "reply": protocol.Reply("stream", "lmq:test:out:good")})
+        good = protocol.Request(**{**chat_request("good", max_tokens=6).__dict__, "reply": protocol.Reply("stream", "lmq:reply:test:good")})
         for request in (bad_stream, bad_channel, good):
             await enqueue(admin, request)
-        events = await final_events(admin, "lmq:test:out:good")
+        events = await final_events(admin, "lmq:reply:test:good")
         assert events[-1]["type"] == "done" and len(streamed_tokens(events)) == 6
         await wait_for(lambda: _nothing_pending(admin), what="every entry acknowledged")
         assert sorted(await _dead_letter_codes(admin)) == [b"reply_denied", b"reply_denied"]
         assert not await admin.exists("myapp:reply:1")
         assert not worker.table.running
-        await enqueue(admin, protocol.Request(**{**good.__dict__, "id": "after", "reply": protocol.Reply("stream", "lmq:test:out:after")}))
-        assert (await final_events(admin, "lmq:test:out:after"))[-1]["type"] == "done"  # and it goes on serving
+        await enqueue(admin, protocol.Request(**{**good.__dict__, "id": "after", "reply": protocol.Reply("stream", "lmq:reply:test:after")}))
+        assert (await final_events(admin, "lmq:reply:test:after"))[-1]["type"] == "done"  # and it goes on serving
     await admin.aclose()
 
 
@@ -106,3 +106,34 @@ async def test_poison_without_a_reply_address_is_dead_lettered_and_acknowledged(
         await enqueue(redis_client, chat_request("next"))
         assert (await final_events(redis_client, "out:next"))[-1]["type"] == "done"
     assert await redis_client.xlen(STREAM) == 0
+
+
+async def test_a_reply_key_in_lmqs_namespace_is_refused_and_nothing_is_written_there(tiny, redis_url, redis_client):
+    """A producer's reply.key pointed at the request stream: the entry is dead-lettered, the stream gets no event and no TTL."""
+    async with running_worker(worker_config(redis_url, "w1"), tiny):
+        await redis_client.xadd(STREAM, {"msg": _raw_request(id="evil", reply={"kind": "stream", "key": STREAM})})
+        await redis_client.xadd(STREAM, {"msg": _raw_request(id="fine", sampling={"max_tokens": 4})})
+        events = await final_events(redis_client, "out:raw")
+        assert events[-1]["type"] == "done", events[-1]["message"]
+        await wait_for(lambda: _nothing_pending(redis_client), what="both entries acknowledged")
+    assert await _dead_letter_codes(redis_client) == [b"reply_denied"]
+    assert await redis_client.ttl(STREAM) == -1
+    assert await redis_client.xlen(STREAM) == 0
+
+
+async def test_an_entry_far_over_the_limit_is_refused_unread_and_dead_lettered_as_a_prefix(tiny, redis_url, redis_client, monkeypatch):
+    """16 MiB of prompt ids: the worker answers `too_large` where the entry asked without unpacking the
+    entry (no msgpack decode of it at all) and keeps only a bounded prefix of it in the dead letter."""
+    sizes = []
+    real = msgpack.unpackb
+    monkeypatch.setattr(msgpack, "unpackb", lambda data, *args, **kwargs: sizes.append(len(data)) or real(data, *args, **kwargs))
+    raw = _raw_request(prompt=None, prompt_ids=list(range(1 << 16, (1 << 16) + (4 << 20))))
+    assert len(raw) > 16 << 20
+    async with running_worker(worker_config(redis_url, "w1"), tiny):
+        await redis_client.xadd(STREAM, {"msg": raw})
+        [event] = await final_events(redis_client, "out:raw")
+        await wait_for(lambda: _nothing_pending(redis_client), what="the entry acknowledged")
+    assert (event["type"], event["code"], event["id"]) == ("error", "too_large", "raw")
+    [(_, fields)] = await redis_client.xrange(DEAD_LETTER_STREAM)
+    assert fields[b"code"] == b"too_large" and fields[b"msg"] == raw[: len(fields[b"msg"])] and len(fields[b"msg"]) <= 4096
+    assert max(sizes, default=0) <= protocol.MAX_MESSAGE_BYTES

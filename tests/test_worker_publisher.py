@@ -9,6 +9,7 @@ import pytest
 
 from protocol import (
     DEAD_LETTER_STREAM,
+    MAX_MESSAGE_BYTES,
     REQUEST_GROUP,
     Reply,
     decode_event,
@@ -19,7 +20,7 @@ from protocol import (
     done_event,
     progress_key,
 )
-from worker.publisher import Publisher
+from worker.publisher import DEAD_LETTER_PREFIX_BYTES, Publisher
 
 STREAM = "lmq:req:test"
 WAIT_S = 60.0  # for a message already published: it comes at once unless the machine is very busy
@@ -221,3 +222,69 @@ async def test_a_sharded_pubsub_reply_is_spublished(publisher, redis_client):
     assert await plain.get_message(ignore_subscribe_messages=True, timeout=0.2) is None  # not a plain PUBLISH
     await pubsub.aclose()
     await plain.aclose()
+
+
+# ---------------------------------------------------------------- one request's output never breaks another's
+
+
+async def _messages(pubsub, count: int) -> list[bytes]:
+    found = []
+    while len(found) < count:
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=WAIT_S)
+        assert message is not None, f"{len(found)} of {count} messages came"
+        found.append(message["data"])
+    return found
+
+
+async def test_a_step_whose_events_exceed_the_message_limit_is_split_and_each_message_fits(publisher, redis_client):
+    """Three 400 KB deltas and a small one on one channel: every event arrives, in order, no message over the limit."""
+    pubsub = await subscribed(redis_client, "lmq:reply:g1")
+    reply = Reply("pubsub", "lmq:reply:g1")
+    for index, name in enumerate("abc"):
+        publisher.send(f"1-{index + 1}", reply, delta_event(name, 0, "x" * 400_000, [1], 0))
+    publisher.send("1-4", reply, delta_event("d", 0, "small", [2], 0))
+    await publisher.flush()
+    messages = await _messages(pubsub, 2)
+    assert all(len(data) <= MAX_MESSAGE_BYTES for data in messages)
+    events = [event for data in messages for event in decode_event_batch(data)]
+    assert [(e["id"], len(e["text"])) for e in events] == [("a", 400_000), ("b", 400_000), ("c", 400_000), ("d", 5)]
+    assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2) is None
+    await pubsub.aclose()
+
+
+async def test_an_event_too_large_for_any_message_fails_its_own_request_alone(redis_client):
+    """A tokenize answer of 1.25 MB beside three streams' deltas: the streams' events arrive, the big
+    request gets a `too_large` error instead, its entry is acknowledged, and it is reported refused."""
+    await redis_client.xgroup_create(STREAM, REQUEST_GROUP, id="0", mkstream=True)
+    entries = [(await redis_client.xadd(STREAM, {"msg": b"x"})).decode() for _ in range(4)]
+    await redis_client.xreadgroup(REQUEST_GROUP, "w1", {STREAM: ">"}, count=4)
+    refused = []
+    publisher = Publisher(redis_client, STREAM, "w1", on_refused=lambda *args: refused.append(args))
+    task = asyncio.create_task(publisher.run())
+    pubsub = await subscribed(redis_client, "lmq:reply:g1")
+    reply = Reply("pubsub", "lmq:reply:g1")
+    for index, name in enumerate("abc"):
+        publisher.send(entries[index], reply, delta_event(name, 3, "tok", [5], 3))
+    huge = done_event("tok", 0, "tokenized", 300_000, 0, 0, prompt_ids=list(range(300_000)), pieces=["xy"] * 300_000)
+    publisher.send(entries[3], reply, huge)
+    publisher.finish(entries[3], None)
+    publisher.send(entries[1], reply, delta_event("b", 4, "more", [6], 4))
+    await publisher.flush()
+    data = (await _messages(pubsub, 1))[0]
+    events = decode_event_batch(data)
+    assert [(e["id"], e["type"], e["seq"]) for e in events] == [("a", "delta", 3), ("b", "delta", 3), ("b", "delta", 4), ("c", "delta", 3), ("tok", "error", 0)]
+    assert events[4]["code"] == "too_large"
+    assert [(entry, status) for entry, status, _ in refused] == [(entries[3], "too_large")]
+    assert (await redis_client.xpending(STREAM, REQUEST_GROUP))["pending"] == 3  # the big one was acknowledged
+    task.cancel()
+    await pubsub.aclose()
+
+
+async def test_a_dead_letter_keeps_a_bounded_prefix_of_a_huge_entry(publisher, redis_client):
+    raw = b"\xc1" * (16 << 20)
+    publisher.dead_letter("1-1", raw, "too_large", "message is 16 MiB")
+    publisher.finish("1-1", None)
+    await publisher.flush()
+    [(_, fields)] = await redis_client.xrange(DEAD_LETTER_STREAM)
+    assert fields[b"msg"] == raw[:DEAD_LETTER_PREFIX_BYTES]
+    assert f"was {len(raw)} bytes".encode() in fields[b"message"]

@@ -12,6 +12,13 @@ On a Redis Cluster a script may only touch keys of one hash slot, and each shard
 (protocol/keys.py): a step's writes go as one script call per shard they touch, concurrently. The
 progress and holder keys of a request are those of the shard its entry came from.
 
+No request's output can break another's: a channel's events of one step go out in as many
+PUBLISHes as keep each message within protocol.MAX_MESSAGE_BYTES (which a gateway refuses whole,
+and with it the other requests' events), and a single event that cannot fit even alone (a tokenize
+answer of a huge prompt) is replaced by a `too_large` error event for its own request, whose entry
+is acknowledged; the request is then reported refused (status `too_large`) so its owner stops it.
+A dead letter keeps at most DEAD_LETTER_PREFIX_BYTES of the raw entry.
+
 What was written is reported through `on_written(entry_ids)`; what the script refused comes back
 through `on_refused(entry_id, status, detail)`: `lost` (another
 worker owns the entry now) or `denied` (its reply address could not be written; the script has
@@ -29,7 +36,7 @@ from typing import Any, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from protocol import REQUEST_GROUP, Reply, encode, encode_progress
+from protocol import MAX_MESSAGE_BYTES, REQUEST_GROUP, Reply, encode, encode_progress, error_event
 from protocol.keys import INTERACTIVE, Shard
 from protocol.redis_client import UNREACHABLE
 from worker.claims import Lane, split_handle
@@ -42,6 +49,9 @@ DEAD_LETTER_MAXLEN = 10_000
 KEY_TTL_S = 3600
 RETRY_DELAY_S = 0.5
 TOKEN_BYTES = 4  # progress holds each token id as a little-endian uint32
+BATCH_HEADER_BYTES = 32  # a published batch's map, `v`, `events` and its array header: 18 bytes at most
+MAX_EVENT_BYTES = MAX_MESSAGE_BYTES - BATCH_HEADER_BYTES  # also the most event bytes one PUBLISH carries
+DEAD_LETTER_PREFIX_BYTES = 4096  # of a dead-lettered entry's raw msg: enough to identify it, never a copy of a huge one
 
 Refused = Callable[[str, str, str], None]
 
@@ -87,6 +97,7 @@ class Publisher:
         self._process_token = secrets.token_hex(4)
         self._step = 0
         self._pending: dict[str, _EntryWrites] = {}
+        self._too_large: dict[str, str] = {}  # entry -> why: failed by an oversize event, until reported refused
         self._wakeup = asyncio.Event()
         self._sent = asyncio.Event()
         self._sending = False
@@ -94,12 +105,27 @@ class Publisher:
     # ------------------------------------------------------------ writes (synchronous, never block)
 
     def send(self, entry_id: str, reply: Reply, event: dict[str, Any]) -> None:
+        if entry_id in self._too_large:
+            return
+        data = encode(event)
+        if len(data) > MAX_EVENT_BYTES:
+            data = self._refuse_oversize(entry_id, event, len(data))
         writes = self._writes(entry_id)
         writes.reply = reply
-        writes.events.append(encode(event))
+        writes.events.append(data)
+
+    def _refuse_oversize(self, entry_id: str, event: dict[str, Any], size: int) -> bytes:
+        """An event too large for any message fails its own request: an error event in its place, the entry finished."""
+        detail = f"the request's {event.get('type')} event is {size} bytes; one event may be at most {MAX_EVENT_BYTES}"
+        log.warning("entry %s: %s", entry_id, detail)
+        self._too_large[entry_id] = detail
+        self._writes(entry_id).finish = True
+        return encode(error_event(event.get("id"), event.get("seq", 0), "too_large", detail))
 
     def record_progress(self, entry_id: str, request_id: str, offset: int, token_ids: list[int]) -> None:
         """`token_ids` were streamed after the first `offset` completion tokens."""
+        if entry_id in self._too_large:
+            return
         writes = self._writes(entry_id)
         if not writes.progress:
             writes.request_id, writes.progress_offset = request_id, offset
@@ -112,6 +138,9 @@ class Publisher:
         writes.request_id = request_id or writes.request_id
 
     def dead_letter(self, entry_id: str, raw: bytes, code: str, message: str) -> None:
+        if len(raw) > DEAD_LETTER_PREFIX_BYTES:
+            message += f" (the entry's msg was {len(raw)} bytes; its first {DEAD_LETTER_PREFIX_BYTES} are kept)"
+            raw = raw[:DEAD_LETTER_PREFIX_BYTES]
         self._writes(entry_id).dead_letter = (raw, code, message)
 
     def _writes(self, entry_id: str) -> _EntryWrites:
@@ -151,7 +180,7 @@ class Publisher:
         lanes = [lane for lane in self.lanes.values() if lane.shard == shard]
         stream_numbers = {lane.name: number for number, lane in enumerate(lanes, start=1)}
         keys = [shard.dead_letter_stream, shard.applied_step_key(self.consumer, self._process_token), *(lane.stream for lane in lanes)]
-        args: list[Any] = [REQUEST_GROUP, self.consumer, self._step, KEY_TTL_S, REPLY_STREAM_MAXLEN, DEAD_LETTER_MAXLEN]
+        args: list[Any] = [REQUEST_GROUP, self.consumer, self._step, KEY_TTL_S, REPLY_STREAM_MAXLEN, DEAD_LETTER_MAXLEN, MAX_EVENT_BYTES]
         for handle, entry_writes in writes.items():
             lane, entry_id = split_handle(handle)
             args += entry_writes.arguments(shard, stream_numbers[lane], entry_id)
@@ -182,6 +211,10 @@ class Publisher:
             refused.add(entry_id)
             self.on_refused(entry_id, status, detail)
         self.on_written([entry_id for entry_id in entry_ids if entry_id not in refused])
+        for entry_id in entry_ids:
+            detail = self._too_large.pop(entry_id, None)
+            if detail is not None and entry_id not in refused:
+                self.on_refused(entry_id, "too_large", detail)
 
 
 def _text(value: bytes | str) -> str:

@@ -22,12 +22,15 @@ acknowledged: events still go out, so a client whose request outlived a Redis fl
 answer), or `denied` (the reply write was refused; the entry is acknowledged and dead-lettered).
 Only non-`ok` statuses are returned, as a flat list `record, status, detail, ...` (record: the
 entry's 1-based position among the records, since two streams may hold entries of the same id).
+A channel's events go in as few PUBLISHes as keep each message within the message limit (ARGV[7],
+protocol.MAX_MESSAGE_BYTES less a batch's header): a gateway refuses a larger message whole, and
+with it every request's events of the step. The publisher keeps each single event within it.
 On a Redis Cluster a reply channel of kind `spubsub` (sharded pub/sub, SPUBLISH) or a reply stream
 must lie in the script's slot; the worker checks that when it reads the request.
 
 Arguments: KEYS = [dead-letter stream, applied-step key, then the request streams the entries come
 from (a worker serves one per priority)]; ARGV = [group, consumer, step number, key TTL, reply
-stream MAXLEN, dead-letter MAXLEN, then one record per entry: its stream (a 1-based position among
+stream MAXLEN, dead-letter MAXLEN, the most event bytes one PUBLISH may carry, then one record per entry: its stream (a 1-based position among
 the request streams of KEYS), entry id, reply kind (pubsub | spubsub | stream | ""), reply key, event count, the events (msgpack bytes),
 progress key ("" = none), holder key ("" = none), progress byte offset, progress bytes, finish
 ("1" | "": acknowledge the entry, delete progress and holder), dead letter
@@ -39,7 +42,7 @@ from __future__ import annotations
 LUA = r"""
 local dead_stream, applied_key = KEYS[1], KEYS[2]
 local group, me, step, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local reply_maxlen, dead_maxlen = ARGV[5], ARGV[6]
+local reply_maxlen, dead_maxlen, message_limit = ARGV[5], ARGV[6], tonumber(ARGV[7])
 
 local last = tonumber(redis.call('GET', applied_key) or '-1')
 if last >= step then return {} end
@@ -63,7 +66,7 @@ local function failed(result)
 end
 
 -- Read the records.
-local records, i = {}, 7
+local records, i = {}, 8
 while i <= #ARGV do
   local r = {stream = KEYS[2 + tonumber(ARGV[i])], entry = ARGV[i + 1], kind = ARGV[i + 2], key = ARGV[i + 3], events = {}}
   local n = tonumber(ARGV[i + 4])
@@ -101,11 +104,19 @@ for _, r in ipairs(records) do
     end
   end
 end
-for _, name in ipairs(channel_order) do
-  local c = channels[name]
-  local batch = '\130\161v\001\166events' .. array_header(#c.events) .. table.concat(c.events)
+local function publish(c, first, last)
+  local batch = '\130\161v\001\166events' .. array_header(last - first + 1) .. table.concat(c.events, '', first, last)
   local err = failed(redis.pcall(c.command, c.key, batch))
   if err then for _, r in ipairs(c.records) do r.status, r.detail = 'denied', err end end
+end
+for _, name in ipairs(channel_order) do
+  local c = channels[name]
+  local first, size = 1, 0
+  for k, e in ipairs(c.events) do
+    if size + #e > message_limit and k > first then publish(c, first, k - 1); first, size = k, 0 end
+    size = size + #e
+  end
+  publish(c, first, #c.events)
 end
 
 -- Progress, acknowledgements, dead letters.
