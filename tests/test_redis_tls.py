@@ -23,7 +23,7 @@ from gateway.config import GatewayConfig
 from lmq.checks import check_gateway
 from lmq.redis_cluster import EmbeddedCluster
 from lmq.redis_server import EmbeddedRedis
-from lmq.serve import FatalError, check_redis
+from lmq.serve import FatalError, check_redis, redacted
 from protocol import CANCEL_CHANNEL
 from protocol.cluster_url import ClusterAddress, is_cluster_url, parse_cluster_url
 from protocol.redis_client import connect, connect_sync, pubsub
@@ -230,3 +230,20 @@ async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_cluster(tls_c
         await _complete_requests(stack, tiny)
     finally:
         stack.close()
+
+
+def test_no_password_of_a_tls_url_shows_in_messages():
+    assert redacted("rediss+sentinel://lmq:pw1@h1,h2/m/0?sentinel_password=pw2&ssl_ca_certs=/c/ca.pem") == (
+        "rediss+sentinel://lmq:***@h1,h2/m/0?sentinel_password=***&ssl_ca_certs=/c/ca.pem"
+    )
+    assert redacted("rediss+cluster://:pw1@h:7000/?shards=6&ssl_ca_certs=/c/ca.pem") == "rediss+cluster://:***@h:7000/?shards=6&ssl_ca_certs=/c/ca.pem"
+
+
+def test_without_a_tls_server_the_tests_skip_saying_why(monkeypatch, tmp_path):
+    import tls_support
+
+    monkeypatch.setattr(tls_support, "TLS_SERVER_LINK", tmp_path / "none")
+    monkeypatch.delenv("LMQ_TLS_REDIS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    server, reason = tls_support.tls_server()
+    assert server is None and reason.startswith("no Redis server built with TLS (tried ") and "valkey-server" in reason, reason
