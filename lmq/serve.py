@@ -94,6 +94,8 @@ def check_redis(url: str, channels: tuple[str, ...] = (), timeout: float = REDIS
         client = connect_sync(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     except ValueError as exc:
         raise FatalError(f"REDIS_URL {where!r} is not a Redis URL: {exc}") from exc
+    except redis_errors.RedisClusterException as exc:  # a cluster client asks its nodes for the slot map as it is made
+        raise FatalError(f"cannot reach Redis at {where}: {_message(exc)}{_tls_hint(exc)}") from exc
     try:
         client.ping()
         if channels:
@@ -109,7 +111,7 @@ def check_redis(url: str, channels: tuple[str, ...] = (), timeout: float = REDIS
     except MasterNotFoundError as exc:
         raise FatalError(f"cannot reach Redis at {where}: {_no_primary(url)}") from exc
     except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-        raise FatalError(f"cannot reach Redis at {where}: {_message(exc)}") from exc
+        raise FatalError(f"cannot reach Redis at {where}: {_message(exc)}{_tls_hint(exc)}") from exc
     except redis_errors.RedisError as exc:
         raise FatalError(f"Redis at {where} refused PING: {_message(exc)}") from exc
     finally:
@@ -127,7 +129,38 @@ def _no_primary(url: str) -> str:
 
     address = parse_sentinel_url(url)
     asked = ", ".join(f"{host}:{port}" for host, port in address.sentinels)
-    return f"no sentinel names a primary for {address.service!r} that is up (asked {asked}: down, unreachable, or not monitoring it)"
+    found = f"no sentinel names a primary for {address.service!r} that is up (asked {asked}: down, unreachable, or not monitoring it)"
+    refusal = _sentinel_refusal(address)
+    return f"{found}; {refusal}{_tls_hint(refusal)}" if refusal else found
+
+
+def _sentinel_refusal(address) -> str:
+    """Why the first sentinel that cannot be reached cannot be, in redis-py's words (its
+    MasterNotFoundError names each sentinel's error only by its class); "" when all answer."""
+    import redis
+
+    from protocol.redis_client import SENTINEL_SOCKET_TIMEOUT_S
+
+    tls = address.tls.client_kwargs() if address.tls else {}
+    timeouts = {"socket_timeout": SENTINEL_SOCKET_TIMEOUT_S, "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT_S}
+    for host, port in address.sentinels:
+        client = redis.Redis(host, port, username=address.sentinel_username, password=address.sentinel_password, **tls, **timeouts)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            return f"sentinel {host}:{port}: {_message(exc)}"
+        finally:
+            client.close()
+    return ""
+
+
+def _tls_hint(exc: BaseException) -> str:
+    """What a refused certificate means, with redis-py's reason (for a Sentinel set it is buried
+    in a list of every sentinel's error, which _no_primary leaves out)."""
+    found = re.search(r"\[SSL: CERTIFICATE_VERIFY_FAILED\][^(.]*", str(exc))
+    if not found:
+        return ""
+    return f"; TLS refused the server's certificate ({found.group(0).strip()}): ssl_ca_certs must name the CA that signed it, and it must name the address connected to"
 
 
 def _check_subscribe(client, channels: tuple[str, ...], timeout: float) -> None:

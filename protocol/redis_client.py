@@ -16,6 +16,10 @@ promoted replica lacks.
 A `redis+cluster://` URL (protocol/cluster_url.py) gives redis-py's cluster client, which routes
 each command to the primary of its key's slot and follows the slot map as it changes. Its pools
 do not wait for a free connection (they raise past their size), so they are made larger.
+
+`rediss+sentinel://` and `rediss+cluster://` (protocol/tls_url.py) are the same over TLS: every
+connection, to a sentinel, the primary it names or a cluster node, is TLS with the URL's CA and
+client certificate.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from redis.exceptions import ClusterDownError, ConnectionError, RedisClusterExce
 
 from .cluster_url import is_cluster_url, parse_cluster_url
 from .sentinel_url import SentinelAddress, is_sentinel_url, parse_sentinel_url
+from .tls_url import TlsOptions
 
 # What a command may raise when Redis fails: redis-py's errors, and, from a cluster client that
 # reaches no node, RedisClusterException (which is not a RedisError). A cluster with a primary
@@ -51,7 +56,7 @@ PRIMARY_CONNECT_TIMEOUT_S = 5.0
 
 
 def connect(url: str) -> aioredis.Redis:
-    """The client for `url`: `redis://`, `rediss://`, `unix://`, `redis+sentinel://` or `redis+cluster://`."""
+    """The client for `url`: `redis://`, `rediss://`, `unix://`, `redis[s]+sentinel://` or `redis[s]+cluster://`."""
     if is_cluster_url(url):
         return _cluster(url)
     options = dict(
@@ -73,7 +78,9 @@ def connect_sync(url: str, **connection_options) -> redis.Redis:
     if is_cluster_url(url):
         address = parse_cluster_url(url)
         nodes = [redis.cluster.ClusterNode(host, port) for host, port in address.nodes]
-        return redis.cluster.RedisCluster(startup_nodes=nodes, username=address.username, password=address.password, **connection_options)
+        return redis.cluster.RedisCluster(
+            startup_nodes=nodes, username=address.username, password=address.password, **_tls(address.tls), **connection_options
+        )
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **connection_options)
     address = parse_sentinel_url(url)
@@ -116,6 +123,7 @@ def _cluster(url: str) -> RedisCluster:
         startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
         username=address.username,
         password=address.password,
+        **_tls(address.tls),
         max_connections=MAX_CLUSTER_CONNECTIONS,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), RETRIES),
         retry_on_error=[ConnectionError, TimeoutError],
@@ -136,8 +144,14 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, aioredis.BlockingCo
 def _sentinels(kind: type, address: SentinelAddress):
     login = {"username": address.sentinel_username, "password": address.sentinel_password}
     timeouts = {"socket_timeout": SENTINEL_SOCKET_TIMEOUT_S, "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT_S}
-    return kind(list(address.sentinels), min_other_sentinels=address.min_other_sentinels, sentinel_kwargs={**login, **timeouts})
+    return kind(list(address.sentinels), min_other_sentinels=address.min_other_sentinels, sentinel_kwargs={**login, **timeouts, **_tls(address.tls)})
 
 
 def _primary_login(address: SentinelAddress) -> dict:
-    return {"db": address.db, "username": address.username, "password": address.password, "socket_connect_timeout": PRIMARY_CONNECT_TIMEOUT_S}
+    """The primary's login, database and TLS (a pool takes `ssl=True` for its SSL connection class)."""
+    login = {"db": address.db, "username": address.username, "password": address.password}
+    return {**login, "socket_connect_timeout": PRIMARY_CONNECT_TIMEOUT_S, **_tls(address.tls)}
+
+
+def _tls(options: TlsOptions | None) -> dict:
+    return options.client_kwargs() if options else {}

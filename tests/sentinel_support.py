@@ -2,6 +2,10 @@
 sentinels, all local TCP servers of one binary, the sentinels being `redis-server --sentinel`)
 with timeouts short enough that a failover takes seconds, and a fault_support `Stack` of lmq
 processes whose `REDIS_URL` is the set's `redis+sentinel://` URL.
+
+With `tls=ServerTls(...)` (lmq/redis_server.py) every server of the set listens over TLS only:
+the primary and the replica on their TLS ports, replicating over TLS, and the sentinels on their
+own `tls-port`, reaching the servers and each other over TLS; `url` is then `rediss+sentinel://`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import redis
 from redis.exceptions import RedisError
 
 from fault_support import Processes, Stack, StackSpec, eventually
-from lmq.redis_server import EmbeddedRedis, find_redis_server, free_tcp_port
+from lmq.redis_server import EmbeddedRedis, ServerTls, find_redis_server, free_tcp_port
 from protocol.redis_client import connect_sync
 
 SERVICE = "mymaster"
@@ -28,23 +32,30 @@ FAILOVER_WAIT_S = 30.0
 class SentinelSet:
     """`start()`, then `url`; `kill_primary()` and `wait_failover()` for the fault; `close()`."""
 
-    def __init__(self, root: Path, kind: str | None = None):
+    def __init__(self, root: Path, kind: str | None = None, *, server: str | None = None, tls: ServerTls | None = None):
         self.root = root
-        self.server = find_redis_server(kind)
-        self.primary = EmbeddedRedis(root / "primary", port=free_tcp_port(), server=self.server)
-        self.replica = EmbeddedRedis(root / "replica", port=free_tcp_port(), server=self.server)
+        self.server = server or find_redis_server(kind)
+        self.tls = tls
+        self.primary = EmbeddedRedis(root / "primary", port=free_tcp_port(), server=self.server, tls=tls)
+        self.replica = EmbeddedRedis(root / "replica", port=free_tcp_port(), server=self.server, tls=tls)
         self.sentinel_ports = [free_tcp_port() for _ in range(3)]
         self.processes = Processes(root / "sentinel-logs")
 
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        if self.tls:
+            return f"rediss+sentinel://{hosts}/{SERVICE}/0?{self.tls.url_query()}"
         return f"redis+sentinel://{hosts}/{SERVICE}/0"
+
+    def client(self, port: int, **options) -> redis.Redis:
+        """A plain client of the server or sentinel on `port` (over TLS in a TLS set)."""
+        return redis.Redis(port=port, **(self.tls.client_kwargs() if self.tls else {}), **options)
 
     def start(self) -> "SentinelSet":
         self.primary.start()
         self.replica.start()
-        with redis.Redis(port=self.replica.port) as replica:
+        with self.client(self.replica.port) as replica:
             replica.replicaof("127.0.0.1", self.primary.port)
             _poll(lambda: replica.info("replication").get("master_link_status") == "up", "the replica in sync", READY_TIMEOUT_S)
         for index, port in enumerate(self.sentinel_ports):
@@ -56,8 +67,12 @@ class SentinelSet:
         directory = self.root / f"sentinel-{index}"
         directory.mkdir(parents=True, exist_ok=True)
         config = directory / "sentinel.conf"  # the sentinel rewrites it: its own file, writable
+        listen = f"port {port}\n"
+        if self.tls:  # the same options as the servers': sentinel.conf lines are the command line's without "--"
+            options = self.tls.server_args()
+            listen = f"port 0\ntls-port {port}\n" + "".join(f"{name[2:]} {value}\n" for name, value in zip(options[::2], options[1::2]))
         config.write_text(
-            f"port {port}\nbind 127.0.0.1\ndir {directory}\n"
+            f"{listen}bind 127.0.0.1\ndir {directory}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} {QUORUM}\n"
             f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
@@ -65,7 +80,7 @@ class SentinelSet:
         self.processes.start(f"sentinel-{index}", [self.server, str(config), "--sentinel"], dict(os.environ))
 
     def _ask(self, port: int, *command: str):
-        with redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2, decode_responses=True) as sentinel:
+        with self.client(port, socket_timeout=2, socket_connect_timeout=2, decode_responses=True) as sentinel:
             return sentinel.execute_command(*command)
 
     def primary_port(self, sentinel_port: int) -> int | None:
@@ -87,7 +102,7 @@ class SentinelSet:
         """Until every sentinel names the replica as the primary and it answers as one."""
 
         def role(server: EmbeddedRedis) -> str:
-            with redis.Redis(port=server.port, socket_timeout=2) as client:
+            with self.client(server.port, socket_timeout=2) as client:
                 return client.info("replication")["role"]
 
         def promoted() -> bool:
