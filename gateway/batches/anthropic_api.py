@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import ApiError
+from ..validate import loads_json
 from . import items, outputs
 from .service import LineError, count_limit, describe, gateway_batches, item_or_error, page_limit, read_large_body
 from .store import OUTCOMES, Batch
@@ -58,10 +59,7 @@ def _base_url(request: web.Request) -> str:
 async def create(request: web.Request) -> web.Response:
     gateway, batches = gateway_batches(request)
     raw = await read_large_body(request, gateway.config.batch_max_bytes)
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    body = loads_json(raw)
     requests = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(requests, list):
         raise ApiError(400, "requests: must be a list of {custom_id, params}", param="requests")

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from ..context import Gateway, gateway_of
 from ..errors import ApiError
+from ..validate import MAX_JSON_DEPTH, nests_deeper
 from . import items
 from .runner import BatchRunner
 from .store import BatchStore
@@ -91,8 +92,11 @@ def openai_items(gateway: Gateway, data: bytes) -> tuple[list[dict[str, Any]], l
             continue
         try:
             request = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             errors.append(LineError(number, f"not valid JSON: {exc}"))
+            continue
+        if nests_deeper(request, MAX_JSON_DEPTH):
+            errors.append(LineError(number, f"nests arrays and objects more than {MAX_JSON_DEPTH} deep"))
             continue
         if not isinstance(request, dict):
             errors.append(LineError(number, "must be a JSON object {custom_id, method, url, body}"))
