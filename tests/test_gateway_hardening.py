@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import subprocess
+import sys
 
 import aiohttp
 import pytest
-from gateway_support import MODEL, announce, running_gateway, words_script, worker_running
+from gateway_support import MODEL, announce, publish, running_gateway, take_request, words_script, worker_running
+from worker_helpers import wait_for
+
+import protocol
 
 from gateway.browser_guard import allowed_hosts, host_name
 
@@ -182,3 +188,58 @@ async def test_a_client_that_stops_reading_is_cut_and_others_stream_on(redis_url
         finally:
             for sock in sockets:
                 sock.close()
+
+
+def _rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_eight_non_reading_streams_leave_the_gateway_process_rss_bounded(redis_url, redis_client, tmp_path) -> None:
+    """A gateway process; 8 streams whose clients never read get 12.5 MiB each, paced as a fast model
+    would send it; the process's RSS grows by less than a bound (before: by everything sent)."""
+    port = _free_port()
+    log = open(tmp_path / "gateway.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lmq", "gateway", "--redis-url", redis_url, "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LMQ_WRITE_TIMEOUT": "1"},
+    )
+    try:
+        await announce(redis_client)
+        async with aiohttp.ClientSession() as http:
+
+            async def up() -> bool:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/health") as response:
+                        return response.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            await wait_for(up, what="the gateway process")
+            baseline = _rss_mib(process.pid)
+            sockets = [await _non_reading_stream(port) for _ in range(8)]
+            taken = [await take_request(redis_client) for _ in sockets]
+            peak = baseline
+            for i in range(200):
+                for _, request in taken:
+                    await publish(redis_client, request, [protocol.delta_event(request.id, i, "x" * 65536, [100 + i], i)])
+                peak = max(peak, _rss_mib(process.pid))
+                await asyncio.sleep(0.03)
+            await asyncio.sleep(1.5)
+            peak = max(peak, _rss_mib(process.pid))
+            for sock in sockets:
+                sock.close()
+        assert peak - baseline < 40, f"RSS {baseline:.0f} -> {peak:.0f} MiB"
+        assert (tmp_path / "gateway.log").read_text().count("the client read nothing") == 8
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
