@@ -25,7 +25,7 @@ from .chat_page import add_chat_page
 from .config import GatewayConfig
 from .context import GATEWAY, Gateway
 from .browser_guard import allowed_hosts, guard_middleware
-from .cors import setup_cors
+from .cors import parse_origins, setup_cors
 from .errors import ApiError, api_of, error_response
 from .metrics import Metrics, metrics_middleware
 from .queue import RequestQueue
@@ -83,7 +83,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         middlewares=[
             metrics_middleware(gateway.metrics),
             error_middleware,
-            guard_middleware(allowed_hosts(config.allowed_hosts, config.host)),  # before auth: a page gets refused whatever it sends
+            guard_middleware(allowed_hosts(config.allowed_hosts, config.host), parse_origins(config.allowed_origins)),  # before auth: a page gets refused whatever it sends
             auth_middleware(keys),
         ],
     )

@@ -7,6 +7,9 @@
   refused with 403 unless it names an allowed host (`--allowed-hosts`; by default, when listening on
   a loopback address, the localhost names and that address; when listening on any other address,
   any Host, since the names a network reaches it by are not known here; set the list, and keys).
+- Cross-site writes: a POST without a body (a batch cancel) needs no preflight either, so a POST or
+  DELETE whose `Origin` is neither this gateway's own (same scheme-less host:port as `Host`) nor
+  one of `--allowed-origins` is refused with 403. Clients other than browsers send no `Origin`.
 """
 
 from __future__ import annotations
@@ -49,11 +52,24 @@ def host_name(header: str) -> str:
     return header.rpartition(":")[0] if header.count(":") == 1 else header
 
 
-def guard_middleware(hosts: frozenset[str] | None) -> Middleware:
+def _foreign_origin(request: web.Request, origins: frozenset[str]) -> bool:
+    origin = request.headers.get("Origin")
+    if origin is None or request.method in ("GET", "HEAD", "OPTIONS"):
+        return False
+    origin = origin.strip().rstrip("/").lower()
+    same = origin.partition("://")[2] == request.headers.get("Host", "").strip().lower()
+    return not (same or "*" in origins or origin in origins)
+
+
+def guard_middleware(hosts: frozenset[str] | None, origins: frozenset[str] = frozenset()) -> Middleware:
+    """`hosts` as allowed_hosts gives them; `origins` the CORS origins (cors.parse_origins) that may write."""
+
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if hosts is not None and host_name(request.headers.get("Host", "")) not in hosts:
             raise ApiError(403, "the Host header names a host this gateway does not serve (see --allowed-hosts)", code="host_not_allowed")
+        if _foreign_origin(request, origins):
+            raise ApiError(403, "a page of another origin may not write here (see --allowed-origins)", code="origin_not_allowed")
         if request.method == "POST" and request.body_exists and not request.path.startswith(MULTIPART_PATHS) and request.content_type != "application/json":
             raise ApiError(415, f"Content-Type must be application/json, not {request.content_type!r}", code="unsupported_media_type")
         return await handler(request)

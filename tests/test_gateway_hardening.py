@@ -87,7 +87,7 @@ async def test_a_text_plain_post_is_refused_with_415(redis_url, redis_client, pa
     await announce(redis_client)
     body = '{"requests": [{"custom_id": "a", "params": {"model": "tiny-test", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}}]}'
     async with running_gateway(redis_url) as url, aiohttp.ClientSession() as http:
-        async with http.post(url + path, data=body, headers={"Content-Type": "text/plain", "Origin": "https://evil.example"}) as response:
+        async with http.post(url + path, data=body, headers={"Content-Type": "text/plain"}) as response:
             assert response.status == 415, await response.text()
             payload = await response.json()
         async with http.get(url + "/v1/messages/batches") as response:
@@ -110,6 +110,25 @@ async def test_a_foreign_host_header_is_refused_and_local_names_pass(redis_url, 
             assert response.status == 200
         async with http.get(url + "/v1/models", headers={"Host": "localhost"}) as response:
             assert response.status == 403
+
+
+async def test_a_page_of_another_origin_cannot_post_even_without_a_body(redis_url, redis_client) -> None:
+    await announce(redis_client)
+    page = "http://localhost:3000"
+    async with running_gateway(redis_url) as url, aiohttp.ClientSession() as http:
+        cancel = url + "/v1/messages/batches/msgbatch_0123456789abcdef/cancel"
+        async with http.post(cancel, headers={"Origin": "https://evil.example"}) as response:
+            assert response.status == 403, await response.text()
+            assert (await response.json())["error"]["type"] == "permission_error"
+        async with http.post(cancel, headers={"Origin": url}) as response:
+            assert response.status != 403  # the chat page's own origin
+        async with http.post(cancel) as response:
+            assert response.status != 403  # no Origin: not a browser
+        async with http.post(cancel, headers={"Origin": page}) as response:
+            assert response.status == 403
+    async with running_gateway(redis_url, allowed_origins=page) as url, aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/messages/batches/msgbatch_0123456789abcdef/cancel", headers={"Origin": page}) as response:
+            assert response.status != 403
 
 
 def test_allowed_hosts_defaults_by_listen_address() -> None:
