@@ -24,7 +24,8 @@ from .batches import add_batch_routes
 from .chat_page import add_chat_page
 from .config import GatewayConfig
 from .context import GATEWAY, Gateway
-from .cors import setup_cors
+from .browser_guard import allowed_hosts, guard_middleware
+from .cors import parse_origins, setup_cors
 from .errors import ApiError, api_of, error_response
 from .metrics import Metrics, metrics_middleware
 from .queue import RequestQueue
@@ -79,7 +80,12 @@ def create_app(config: GatewayConfig) -> web.Application:
     keys = load_api_keys(config)
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[metrics_middleware(gateway.metrics), error_middleware, auth_middleware(keys)],
+        middlewares=[
+            metrics_middleware(gateway.metrics),
+            error_middleware,
+            guard_middleware(allowed_hosts(config.allowed_hosts, config.host), parse_origins(config.allowed_origins)),  # before auth: a page gets refused whatever it sends
+            auth_middleware(keys),
+        ],
     )
     app[GATEWAY] = gateway
     setup_access_log(app)  # before CORS: its preflight middleware stays outermost

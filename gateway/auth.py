@@ -1,4 +1,8 @@
-"""Optional API keys, accepted as `Authorization: Bearer <key>` or `x-api-key: <key>` on /v1/*.
+"""Optional API keys, accepted as `Authorization: Bearer <key>` or `x-api-key: <key>`.
+
+With keys set, every endpoint needs one but the open ones: /health and /ready (probes carry no
+key) and the chat page's static files (they hold no data; the API calls the page makes carry the
+key). /metrics needs one too: Prometheus scrapes it with `authorization: {credentials: <key>}`.
 
 A line of the keys file may give the key its own rate limits after it (gateway/rate_limits.py):
 `sk-team-a requests=600 tokens=200000`; the words after the key are options, never part of it.
@@ -17,7 +21,7 @@ from . import access_log
 from .config import GatewayConfig
 from .errors import ApiError
 
-PROTECTED_PREFIX = "/v1/"
+OPEN_PATHS = frozenset({"/health", "/ready", "/", "/static/app.js", "/static/style.css"})
 _OWNER = web.RequestKey("lmq_owner", str) if hasattr(web, "RequestKey") else "lmq_owner"
 
 
@@ -71,7 +75,7 @@ def _is_known(key: str, keys: frozenset[str]) -> bool:
 def auth_middleware(keys: frozenset[str]) -> Middleware:
     @web.middleware
     async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if keys and request.path.startswith(PROTECTED_PREFIX):
+        if keys and request.path not in OPEN_PATHS:
             key = presented_key(request)
             if key is None:
                 raise ApiError(401, "no API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`", code="invalid_api_key")

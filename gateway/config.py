@@ -30,6 +30,11 @@ class GatewayConfig:
     )
     admission_wait: float = field(default=10.0, metadata={"help": "seconds a streaming request waits for a worker to admit it before its headers are sent"})
     allowed_origins: str = field(default="", metadata={"help": "comma-separated origins whose pages may call the API (CORS), `*` for any; empty = none"})
+    allowed_hosts: str = field(
+        default="",
+        metadata={"help": "comma-separated Host names the gateway answers, `*` for any; empty = the localhost names and the listen address when listening on loopback, any otherwise"},
+    )
+    write_timeout: float = field(default=10.0, metadata={"help": "seconds a write may wait for a client that stopped reading before its stream is cut"})
     rate_limit_requests: int = field(default=0, metadata={"help": "requests a minute each API key may make (a key file line may set its own: `KEY requests=N`); 0 = no limit"})
     rate_limit_tokens: int = field(default=0, metadata={"help": "prompt + completion tokens a minute each API key may use (`KEY tokens=N`); 0 = no limit"})
     batch_max_items: int = field(default=50_000, metadata={"help": "most requests in one batch (OpenAI input file line, Anthropic request)"})

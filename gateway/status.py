@@ -38,12 +38,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready when Redis answers, this gateway hears replies, and some worker serves some model."""
+    """Ready when Redis answers, this gateway hears replies, and some worker serves some model.
+    Probes call it often, and reading the heartbeats SCANs the keyspace: the view is at most
+    CACHE_SECONDS old, however many probes ask (re-read at once while it shows no worker, so a
+    gateway turns ready as soon as its first worker beats; concurrent re-reads are one)."""
     gateway = gateway_of(request)
     if not gateway.replies.listening:
         return web.json_response({"status": "unavailable", "reason": "the reply subscription is reconnecting"}, status=503)
     try:
-        models = sorted(await gateway.models.served(fresh=True))
+        models = sorted(await gateway.models.served() or await gateway.models.served(fresh=True))
     except RedisError as exc:
         return web.json_response({"status": "unavailable", "reason": f"redis: {exc}"}, status=503)
     if not models:

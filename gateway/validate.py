@@ -12,18 +12,47 @@ import protocol
 
 from .errors import ApiError
 
+MAX_JSON_DEPTH = 64  # real bodies, schemas included, nest a dozen levels
+
 
 async def read_json_object(request: web.Request) -> dict[str, Any]:
     if request.content_type != "application/json":
         raise ApiError(415, f"Content-Type must be application/json, not {request.content_type!r}")
-    raw = await request.read()  # aiohttp answers 413 beyond the app's client_max_size
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    body = loads_json(await request.read())  # aiohttp answers 413 beyond the app's client_max_size
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
+
+
+def loads_json(raw: bytes | str, what: str = "the body") -> Any:
+    """Parse JSON nested at most MAX_JSON_DEPTH deep: deeper nesting (a json_schema 300 levels down)
+    would exhaust Python's recursion somewhere past the parser, as a 500; it is a 400 here."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        value = None
+        deep = True
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"{what} is not valid JSON: {exc}") from None
+    else:
+        deep = nests_deeper(value, MAX_JSON_DEPTH)
+    if deep:
+        raise ApiError(400, f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} deep")
+    return value
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` has arrays/objects more than `limit` levels deep (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def invalid(param: str, problem: str) -> ApiError:

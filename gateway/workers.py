@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -25,6 +26,7 @@ class ModelRegistry:
         self._served: set[str] = set()
         self._read_at = float("-inf")
         self._malformed: set[bytes] = set()  # heartbeat keys already logged as malformed (logged once each)
+        self._reading: asyncio.Lock = asyncio.Lock()
 
     async def heartbeats(self) -> list[protocol.Heartbeat]:
         keys = [key async for key in self.redis.scan_iter(match=f"{self.home.worker_key_prefix}*", count=1000)]
@@ -43,9 +45,13 @@ class ModelRegistry:
 
     async def served(self, *, fresh: bool = False) -> set[str]:
         """The models at least one live worker serves (re-read at most once a second unless `fresh`)."""
-        if fresh or time.monotonic() - self._read_at > CACHE_SECONDS:
-            self._served = {beat.model for beat in await self.heartbeats()}
-            self._read_at = time.monotonic()
+        asked_at = time.monotonic()
+        if fresh or asked_at - self._read_at > CACHE_SECONDS:
+            async with self._reading:  # one read at a time: callers that waited share the one just made
+                if self._read_at < asked_at if fresh else asked_at - self._read_at > CACHE_SECONDS:
+                    read_at = time.monotonic()
+                    self._served = {beat.model for beat in await self.heartbeats()}
+                    self._read_at = read_at
         return self._served
 
     async def require(self, model: str) -> str:

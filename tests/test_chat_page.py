@@ -53,6 +53,8 @@ async def test_the_page_is_public_while_the_api_keeps_its_keys(redis_url) -> Non
         async with http.get(url + "/v1/models") as response:
             assert response.status == 401
         async with http.get(url + "/static/missing.js") as response:
+            assert response.status == 401  # only the page's own files are public
+        async with http.get(url + "/static/missing.js", headers={"Authorization": f"Bearer {KEY}"}) as response:
             assert response.status == 404
 
 

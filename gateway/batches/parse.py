@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..context import Gateway
+from ..validate import MAX_JSON_DEPTH, nests_deeper
 from . import items
 from .service import MAX_REPORTED_ERRORS, LineError
 
@@ -112,8 +113,10 @@ def _openai_line(limits: _Limits, number: int, line: bytes | bytearray, seen: se
         request = json.loads(text)
     except UnicodeDecodeError:
         return LineError(number, "not UTF-8 text")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         return LineError(number, f"not valid JSON: {exc}")
+    if nests_deeper(request, MAX_JSON_DEPTH):
+        return LineError(number, f"nests arrays and objects more than {MAX_JSON_DEPTH} deep")
     if not isinstance(request, dict):
         return LineError(number, "must be a JSON object {custom_id, method, url, body}")
     if request.get("method", "POST") != "POST":
@@ -154,13 +157,16 @@ def _anthropic_body(limits: _Limits, raw: bytes | bytearray) -> Parsed:
     except UnicodeDecodeError:
         raise ValueError("the body is not UTF-8 text") from None
     parsed, seen, count = Parsed(), set(), 0
-    for i, entry in _requests(text):
-        count += 1
-        if count > limits.max_items:
-            return Parsed(errors=[LineError(0, f"the batch has more than {limits.max_items} requests; a batch may have at most {limits.max_items}")])
-        problem = _anthropic_request(i, entry, seen, parsed)
-        if problem is not None and not parsed.add_error(problem):
-            return parsed
+    try:
+        for i, entry in _requests(text):
+            count += 1
+            if count > limits.max_items:
+                return Parsed(errors=[LineError(0, f"the batch has more than {limits.max_items} requests; a batch may have at most {limits.max_items}")])
+            problem = _anthropic_request(i, entry, seen, parsed)
+            if problem is not None and not parsed.add_error(problem):
+                return parsed
+    except RecursionError:
+        raise ValueError(f"it nests arrays and objects more than {MAX_JSON_DEPTH} deep") from None
     if count == 0:
         parsed.errors.append(LineError(0, "the batch has no requests"))
     return parsed
@@ -172,6 +178,8 @@ def _anthropic_request(i: int, entry: Any, seen: set[str], parsed: Parsed) -> Li
     if isinstance(custom_id, str) and not CUSTOM_ID.fullmatch(custom_id):
         return LineError(i, "custom_id: 1-64 letters, digits, '_' or '-'", "custom_id")
     params = entry.get("params")
+    if nests_deeper(params, MAX_JSON_DEPTH):
+        return LineError(i, f"params: nests arrays and objects more than {MAX_JSON_DEPTH} deep", "params")
     problem = _item_format(i, custom_id, items.MESSAGES, params, seen, (items.MESSAGES,))
     if problem is not None:
         return problem
