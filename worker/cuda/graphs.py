@@ -302,4 +302,5 @@ def to_device(batch: StepBatch, device: torch.device) -> StepBatch:
         context_lens=batch.context_lens,
         page_tables=send(batch.page_tables),
         logits_indices=send(batch.logits_indices),
+        cascade=batch.cascade and device.type == "cpu",  # the cascade op is the CPU's
     )
