@@ -127,3 +127,29 @@ def test_only_the_cpu_backends_plan_cascade_attention(tiny) -> None:
     cuda = CudaBackend(tiny, graphs=False)
     assert plan_attention(_shared_decodes(cpu), PAGE, torch.device("cpu")).decode.shared_pages == 5
     assert plan_attention(_shared_decodes(cuda), PAGE, torch.device("cpu")).decode.shared_pages == 0
+
+
+def test_the_engine_runs_its_steps_on_the_backend_it_is_given(tiny) -> None:
+    """No device check in the engine: the backend it is handed builds every batch and runs every forward."""
+    import asyncio
+
+    from protocol import SamplingParams
+    from worker.engine import Engine, GenRequest
+
+    class Counting(CpuTorchBackend):
+        name = "counting"
+        batch_tokens_beside_interactive = 3
+        forwards = 0
+
+        def forward(self, batch, kv):
+            Counting.forwards += 1
+            return super().forward(batch, kv)
+
+    backend = Counting(tiny, max_threads=1)
+    done: list[str] = []
+    engine = Engine(tiny, on_step=lambda outputs: done.extend(o.id for o in outputs if o.finish_reason), backend=backend)
+    assert engine.backend is backend and engine.scheduler.batch_tokens_beside_interactive == 3
+    engine.add(GenRequest("r", list(range(5, 30)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+    engine.stop()
+    asyncio.run(engine.run())
+    assert done == ["r"] and Counting.forwards == 4

@@ -110,7 +110,7 @@ class TorchSteps:
         return self.model(batch, kv)
 
 
-def build_step_batch(scheduled: list[Scheduled], page_size: int, device: torch.device, *, cascade: bool = False) -> StepBatch:
+def build_step_batch(scheduled: list[Scheduled], page_size: int, device: torch.device, *, cascade: bool = True) -> StepBatch:
     """The model's input for one step: each sequence's next tokens, where their K/V go, and logits only
     for the sequences that sample (a prompt chunk short of its prompt's end gets none)."""
     input_ids: list[int] = []
