@@ -28,7 +28,7 @@ from worker.grammar import GrammarCompiler
 from worker.model.loader import LoadedModel
 from worker.prompt import PromptTooLong
 from worker.sampler import MAX_LOGPROBS, Sampled, SamplingState, TokenLogprob, sample
-from worker.runtime.backend import StepBackend, build_step_batch  # noqa: F401 - build_step_batch: bench/ wraps it
+from worker.runtime.backend import StepBackend
 from worker.runtime.select import select_backend
 from worker.scheduler import Scheduled, Scheduler, Sequence, StepPlan
 

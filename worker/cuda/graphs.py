@@ -15,7 +15,7 @@ A graph replays fixed shapes and fixed addresses, so:
   page table) run eagerly; a decode-only one still uses the paged decode kernel.
 
 `GraphedStep` has the model's own call signature, model(batch, kv) -> logits [S, vocab], so the
-engine swaps it in for `loaded.model` (docs/gpu.md). The CUDA calls sit behind `CudaGraphs`; the
+CUDA step backend (worker/runtime/cuda.py) swaps it in for `loaded.model` (docs/gpu.md). The CUDA calls sit behind `CudaGraphs`; the
 CPU stand-in `EagerGraphs` runs the same buffers, padding and bucket choice with the graph replaced
 by a call of the same function, so tests without a GPU exercise everything but the capture itself.
 """
