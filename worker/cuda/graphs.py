@@ -245,6 +245,8 @@ class GraphedStep:
         captured = self.graphs[bucket]
         captured.replay()
         self.replays += 1
+        if batch.logits_indices.numel() < n:  # a one-token prompt chunk beside decodes: it does not sample
+            return captured.output[batch.logits_indices.to(self.device)]
         return captured.output[:n]
 
     def bucket_for(self, batch: StepBatch) -> int | None:
