@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 import worker.engine as engine_module
+import worker.runtime.backend as backend_module
 import worker.model.llama as llama
 from bench import engine_report, peer_hf
 from bench.engine_report import Breakdown, Figures, Sizes
@@ -77,17 +78,17 @@ class StepProbe:
 
     def install(self, engine: Engine) -> Callable[[], None]:
         """Wrap the engine's batch building, model, sampling and the model's attention; returns the undo."""
-        originals = (engine_module.build_step_batch, engine_module.sample, llama.plan_attention, llama.paged_attention)
-        engine_module.build_step_batch = self._build(originals[0])
+        originals = (backend_module.build_step_batch, engine_module.sample, llama.plan_attention, llama.paged_attention)
+        backend_module.build_step_batch = self._build(originals[0])
         engine_module.sample = self._timed(originals[1], "sampling_s")
         llama.plan_attention = self._timed(originals[2], "attention_s")
         llama.paged_attention = self._timed(originals[3], "attention_s")
-        loaded = engine.model
-        engine.model = dataclasses.replace(loaded, model=self._timed(loaded.model, "model_s"))
+        forward = engine.backend.model
+        engine.backend.model = self._timed(forward, "model_s")
 
         def undo() -> None:
-            engine_module.build_step_batch, engine_module.sample, llama.plan_attention, llama.paged_attention = originals
-            engine.model = loaded
+            backend_module.build_step_batch, engine_module.sample, llama.plan_attention, llama.paged_attention = originals
+            engine.backend.model = forward
 
         return undo
 

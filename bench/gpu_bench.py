@@ -56,12 +56,12 @@ DRY_SIZES = Sizes(streams=[1, 4], prompt_tokens=12, new_tokens=6, long_prompt=64
 
 def wrap_engine(engine: Engine, max_graph_context: int) -> GraphedStep:
     """Decode steps through CUDA graphs (the CPU stand-in on a CPU), unless the engine already does it."""
-    if isinstance(engine.model.model, GraphedStep):
-        return engine.model.model
-    runner = GraphedStep(engine.model.model, engine.kv.kv, max_batch=engine.scheduler.max_seqs,
+    if isinstance(engine.backend.model, GraphedStep):
+        return engine.backend.model
+    runner = GraphedStep(engine.backend.model, engine.kv.kv, max_batch=engine.scheduler.max_seqs,
                          num_kv_heads=engine.model.config.num_kv_heads, max_graph_context=max_graph_context)  # fmt: skip
     compute_thread.run(runner.capture)
-    engine.model = dataclasses.replace(engine.model, model=runner)
+    engine.backend.model = runner
     return runner
 
 

@@ -42,7 +42,7 @@ import torch
 from protocol import SamplingParams
 from worker import compute_thread
 from worker.batch import StepBatch
-from worker.engine import build_step_batch
+from worker.runtime.backend import build_step_batch
 from worker.kv_cache import KVCache
 from worker.model import llama, paged_attention
 from worker.model.loader import LoadedModel, load_model
@@ -181,7 +181,7 @@ class DecodeStep:
         ]
 
     def batch(self) -> StepBatch:
-        return build_step_batch(self.scheduled, self.page_table, self.kv.page_size, self.loaded.device)
+        return build_step_batch(self.scheduled, self.kv.page_size, self.loaded.device)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         with torch.inference_mode():

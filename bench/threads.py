@@ -38,7 +38,7 @@ def decode_step_ms(model: LoadedModel, rows: int, threads: int, tokens: int) -> 
 
     async def run() -> None:
         engine = Engine(model, max_seqs=max(rows, 8), on_step=lambda outputs: stamps.append(time.perf_counter()))
-        engine.step_threads = None
+        engine.backend.step_threads = None
         for request in requests:
             engine.add(request)
         engine.stop()

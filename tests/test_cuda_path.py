@@ -25,7 +25,6 @@ stand-in, the decode's torch reference): how this file itself is checked without
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import random
 
@@ -272,12 +271,12 @@ def test_the_1b_shape_matches_transformers_in_float32(record_property) -> None:
 def graphed_engine(model: LoadedModel, on_step, **options) -> tuple[Engine, GraphedStep]:
     """An engine whose model steps through CUDA graphs (wrapped here unless the engine already does it)."""
     engine = Engine(model, on_step=on_step, **options)
-    if not isinstance(engine.model.model, GraphedStep):
-        runner = GraphedStep(engine.model.model, engine.kv.kv, max_batch=engine.scheduler.max_seqs,
+    if not isinstance(engine.backend.model, GraphedStep):
+        runner = GraphedStep(engine.backend.model, engine.kv.kv, max_batch=engine.scheduler.max_seqs,
                              num_kv_heads=model.config.num_kv_heads, max_graph_context=MAX_CONTEXT)  # fmt: skip
         compute_thread.run(runner.capture)
-        engine.model = dataclasses.replace(engine.model, model=runner)
-    return engine, engine.model.model
+        engine.backend.model = runner
+    return engine, engine.backend.model
 
 
 def test_the_page_pool_leaks_nothing_after_a_random_workload(models, record_property) -> None:

@@ -147,3 +147,21 @@ def test_a_model_that_cannot_be_captured_keeps_running_eagerly(tiny) -> None:
     kv = sentinel_kv(tiny.config)
     assert graphed(reads_back_to_the_host, kv, max_batch=2, num_kv_heads=2, backend=EagerGraphs()) is reads_back_to_the_host
     assert isinstance(graphed(tiny.model, kv, max_batch=2, num_kv_heads=2, max_graph_context=8, backend=EagerGraphs()), GraphedStep)
+
+
+def test_a_replayed_step_returns_logits_for_its_sampling_rows_only(tiny) -> None:
+    """A one-token prompt chunk short of its prompt's end is a decode-shaped row that does not sample
+    (the step backends name only sampling rows in logits_indices): the replay must drop its logits."""
+    rng = random.Random(3)
+    config = tiny.config
+    plain_kv, graphed_kv = sentinel_kv(config), sentinel_kv(config)
+    runner = GraphedStep(tiny.model, graphed_kv, max_batch=4, num_kv_heads=config.num_kv_heads,
+                         max_graph_context=20, backend=EagerGraphs()).capture()  # fmt: skip
+    seqs = Sequences(rng, 3, config.vocab_size)
+    prefill = make_batch(seqs.prefill(), PAGE_SIZE)
+    runner(prefill, graphed_kv), tiny.model(prefill, plain_kv)
+    batch = make_batch(trimmed(seqs.decode([0, 1, 2])), PAGE_SIZE)
+    batch.logits_indices = torch.tensor([0, 2])  # row 1 does not sample
+    got = runner(batch, graphed_kv)
+    assert runner.replays == 1 and got.shape[0] == 2
+    torch.testing.assert_close(got, tiny.model(batch, plain_kv), rtol=1e-4, atol=1e-4)

@@ -41,7 +41,7 @@ def test_greedy_answers_are_the_same_on_one_thread_and_on_two(tiny):
 
         async def run() -> None:
             engine = Engine(tiny, max_seqs=8, on_step=on_step)
-            engine.step_threads = None
+            engine.backend.step_threads = None
             for index in range(6):
                 engine.add(GenRequest(f"r{index}", list(range(3 + index, 40 + 5 * index)), params))
             engine.stop()

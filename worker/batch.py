@@ -41,7 +41,10 @@ class StepBatch:
     query_lens: list[int]  # [S] new tokens per sequence this step (1 for a decode)
     context_lens: list[int]  # [S] tokens in the cache for each sequence after this step
     page_tables: torch.Tensor  # [S, max_pages] int64 page ids per sequence, padded with 0
-    logits_indices: torch.Tensor  # [S] index into T of each sequence's last new token
+    logits_indices: torch.Tensor  # [R] index into T of the last new token of each sequence that samples
+    # Whether decodes sharing leading pages may attend to them once (cascade attention): the CPU's
+    # `aten` flash op only, so the step backend that builds the batch says (worker/runtime/).
+    cascade: bool = True
 
     @property
     def is_decode_only(self) -> bool:

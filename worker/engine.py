@@ -14,7 +14,6 @@ output then carries one `TokenLogprob` per token (worker/sampler.py says how the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -24,15 +23,14 @@ import torch
 
 from protocol import SamplingParams
 from worker import compute_thread
-from worker.batch import StepBatch
 from worker.detok import IncrementalDetokenizer, StopStrings, text_state
 from worker.grammar import GrammarCompiler
-from worker.kv_cache import KVCache, default_kv_budget, page_bytes
 from worker.model.loader import LoadedModel
 from worker.prompt import PromptTooLong
 from worker.sampler import MAX_LOGPROBS, Sampled, SamplingState, TokenLogprob, sample
-from worker.scheduler import BATCH_TOKENS_BESIDE_INTERACTIVE, Scheduled, Scheduler, Sequence, StepPlan
-from worker.step_threads import StepThreads
+from worker.runtime.backend import StepBackend
+from worker.runtime.select import select_backend
+from worker.scheduler import Scheduled, Scheduler, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -134,22 +132,19 @@ class Engine:
         step_tokens: int = 512,
         on_step: Callable[[list[SeqOutput]], None],
         on_step_seconds: Callable[[float], None] | None = None,
+        backend: StepBackend | None = None,
     ) -> None:
         self.model = model
         self.max_context = model.config.max_context
-        self.kv = compute_thread.run(_make_kv_cache, model, kv_memory_bytes, page_size, max_seqs)
-        if model.device.type == "cuda":  # decode steps replay CUDA graphs (worker/cuda/graphs.py)
-            from worker.cuda.graphs import graphed
-
-            forward = compute_thread.run(graphed, model.model, self.kv.kv, max_batch=max_seqs, num_kv_heads=model.config.num_kv_heads)
-            self.model = dataclasses.replace(model, model=forward)
-        # A CPU step's time grows with its rows, so batch work beside interactive work is kept small there
-        # (worker/scheduler.py); a GPU decode step costs about the same at 8 rows as at 64, so it is not.
-        batch_tokens = BATCH_TOKENS_BESIDE_INTERACTIVE if model.device.type == "cpu" else step_tokens
+        # Where the steps run (worker/runtime/): the KV pool, the batch, the forward, the thread and batch-token rules.
+        self.backend = backend or compute_thread.run(lambda: select_backend(model, max_threads=torch.get_num_threads()))
+        self.kv = compute_thread.run(self.backend.make_kv, kv_memory_bytes, page_size, max_seqs)
+        compute_thread.run(self.backend.prepare, self.kv, max_seqs)
+        beside = self.backend.batch_tokens_beside_interactive
         self.scheduler = Scheduler(
-            self.kv, max_seqs=max_seqs, step_tokens=step_tokens, max_context=self.max_context, batch_tokens_beside_interactive=batch_tokens
-        )
-        self.step_threads = StepThreads(compute_thread.run(torch.get_num_threads), model.parameter_count) if model.device.type == "cpu" else None
+            self.kv, max_seqs=max_seqs, step_tokens=step_tokens, max_context=self.max_context,
+            batch_tokens_beside_interactive=step_tokens if beside is None else beside,
+        )  # fmt: skip
         self._on_step = on_step
         self._on_step_seconds = on_step_seconds  # each step's duration (the metrics' histogram)
         self._wake = asyncio.Event()
@@ -291,7 +286,7 @@ class Engine:
             prompt_ids=request.prompt_ids,
             generated_ids=request.generated_ids,
             vocab_size=self.model.config.vocab_size,
-            device=self.model.device,
+            device=self.backend.device,
             grammar=grammar,
             logprobs=request.logprobs,
         )
@@ -345,16 +340,9 @@ class Engine:
 
     def _compute(self, scheduled: list[Scheduled], states: list[SamplingState]) -> Sampled:
         """In the executor thread: the model forward over the step, then sampling."""
-        # A CUDA-graphed model takes the step from the host and sends it in one pinned copy.
-        device = getattr(self.model.model, "input_device", self.model.device)
-        if self.step_threads:
-            self.step_threads.choose(sum(item.num_tokens for item in scheduled))
-        batch = build_step_batch(scheduled, self.scheduler.page_table, self.kv.page_size, device)
+        batch = self.backend.build_batch(scheduled, self.kv.page_size)
         with torch.inference_mode():
-            logits = self.model.model(batch, self.kv.kv)
-            rows = [row for row, item in enumerate(scheduled) if item.samples]
-            if len(rows) < len(scheduled):
-                logits = logits[rows]
+            logits = self.backend.forward(batch, self.kv.kv)  # the sampling rows only
             sampled = sample(logits, states)
         for state, token in zip(states, sampled.tokens):
             state.record(token)
@@ -411,52 +399,3 @@ class Engine:
             outputs.append(active.output([], "", "error", error=f"{type(error).__name__}: {error}"))
         return outputs
 
-
-def build_step_batch(scheduled: list[Scheduled], page_table: torch.Tensor, page_size: int, device: torch.device) -> StepBatch:
-    """The model's input for one step: each sequence's next tokens and where their K/V go."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    context_lens: list[int] = []
-    for item in scheduled:
-        seq, start = item.seq, item.seq.num_computed
-        end = start + item.num_tokens
-        input_ids += seq.token_ids[start:end]
-        positions += range(start, end)
-        slots += [seq.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
-        query_lens.append(item.num_tokens)
-        context_lens.append(end)
-    rows = torch.tensor([item.seq.row for item in scheduled])
-    max_pages = -(-max(context_lens) // page_size)
-    last_tokens = torch.tensor(query_lens).cumsum(0) - 1
-    return StepBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device),
-        positions=torch.tensor(positions, dtype=torch.int64).to(device),
-        slots=torch.tensor(slots, dtype=torch.int64).to(device),
-        query_lens=query_lens,
-        context_lens=context_lens,
-        page_tables=page_table[rows, :max_pages].to(device),
-        logits_indices=last_tokens.to(device),
-    )
-
-
-def _make_kv_cache(model: LoadedModel, kv_memory_bytes: int | None, page_size: int, max_seqs: int) -> KVCache:
-    config = model.config
-    per_page = page_bytes(config.num_layers, config.num_kv_heads, config.head_dim, page_size, model.dtype)
-    if kv_memory_bytes is None:
-        pages_per_seq = -(-config.max_context // page_size)
-        kv_memory_bytes = default_kv_budget(model.device, max_seqs * pages_per_seq * per_page)
-    num_pages = kv_memory_bytes // per_page
-    if num_pages < 1:
-        raise ValueError(f"a KV budget of {kv_memory_bytes} bytes holds no page of {per_page} bytes")
-    log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, page_size, num_pages * per_page / 2**20)
-    return KVCache(
-        num_pages=num_pages,
-        page_size=page_size,
-        num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        dtype=model.dtype,
-        device=model.device,
-    )

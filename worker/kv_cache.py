@@ -18,8 +18,7 @@ import torch
 from worker.batch import PagedKV
 
 GIB = 1 << 30
-CPU_DEFAULT_BUDGET = 1 * GIB
-CUDA_FREE_MEMORY_FRACTION = 0.8
+CPU_DEFAULT_BUDGET = 1 * GIB  # `--kv-memory auto` on a CPU (worker/runtime/cpu_torch.py)
 
 
 def page_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -33,19 +32,6 @@ def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int
     """Bytes of one page: K and V of `page_size` tokens across all layers."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * page_size * num_kv_heads * head_dim * element
-
-
-def default_kv_budget(device: torch.device, max_tokens_needed_bytes: int) -> int:
-    """A KV budget for `--kv-memory auto`: most of the free GPU memory, or about 1 GiB of RAM.
-
-    Never more than `max_tokens_needed_bytes`, what every sequence at full context would use.
-    """
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * CUDA_FREE_MEMORY_FRACTION)
-    else:
-        budget = CPU_DEFAULT_BUDGET
-    return min(budget, max_tokens_needed_bytes)
 
 
 class OutOfPages(RuntimeError):

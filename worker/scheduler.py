@@ -26,8 +26,8 @@ victims, so the rules stay those of one queue. Four rules on top, each for time 
   keep their pages and wait their turn). An interactive request that arrives mid-step waits for
   the rest of that step: a step of 64 batch decodes took ~1 s on 2 CPU cores, one of 8 a fraction
   of that, and a client that sends its next request as soon as the last one ends arrives within
-  the quiet steps. With no interactive traffic, batch work has the whole step budget. (The engine
-  sets no such limit on a GPU, where a decode step costs about the same at 8 rows as at 64.)
+  the quiet steps. With no interactive traffic, batch work has the whole step budget. (The CUDA step
+  backend sets no such limit, where a decode step costs about the same at 8 rows as at 64.)
 - **Preempting batch sequences for an interactive one does not stop admissions**, as running out
   of pages does: the room was made for the sequence being admitted.
 
@@ -43,8 +43,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
-import torch
 
 from protocol.keys import BATCH, INTERACTIVE
 from worker.kv_cache import KVCache, page_key
@@ -148,8 +146,6 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.prefix = PrefixStats()
         self.preemptions = 0
-        max_pages = _pages_for(max_context, kv.page_size)
-        self.page_table = torch.zeros((max_seqs, max_pages), dtype=torch.int64)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
@@ -301,10 +297,7 @@ class Scheduler:
         self.running.append(seq)
 
     def _append_pages(self, seq: Sequence, pages: list[int]) -> None:
-        if pages:
-            start = len(seq.pages)
-            seq.pages += pages
-            self.page_table[seq.row, start : len(seq.pages)] = torch.tensor(pages)
+        seq.pages += pages
 
     def _preempt(self, seq: Sequence) -> None:
         self.preemptions += 1

@@ -22,7 +22,7 @@ class _ConstantLogits(torch.nn.Module):
         self.token_id = token_id
 
     def forward(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:
-        logits = torch.zeros(len(batch.query_lens), self.vocab_size)
+        logits = torch.zeros(batch.logits_indices.numel(), self.vocab_size)  # the sampling rows
         logits[:, self.token_id] = 1.0
         return logits
 

@@ -15,7 +15,7 @@ A graph replays fixed shapes and fixed addresses, so:
   page table) run eagerly; a decode-only one still uses the paged decode kernel.
 
 `GraphedStep` has the model's own call signature, model(batch, kv) -> logits [S, vocab], so the
-engine swaps it in for `loaded.model` (docs/gpu.md). The CUDA calls sit behind `CudaGraphs`; the
+CUDA step backend (worker/runtime/cuda.py) swaps it in for `loaded.model` (docs/gpu.md). The CUDA calls sit behind `CudaGraphs`; the
 CPU stand-in `EagerGraphs` runs the same buffers, padding and bucket choice with the graph replaced
 by a call of the same function, so tests without a GPU exercise everything but the capture itself.
 """
@@ -245,6 +245,8 @@ class GraphedStep:
         captured = self.graphs[bucket]
         captured.replay()
         self.replays += 1
+        if batch.logits_indices.numel() < n:  # a one-token prompt chunk beside decodes: it does not sample
+            return captured.output[batch.logits_indices.to(self.device)]
         return captured.output[:n]
 
     def bucket_for(self, batch: StepBatch) -> int | None:
@@ -302,4 +304,5 @@ def to_device(batch: StepBatch, device: torch.device) -> StepBatch:
         context_lens=batch.context_lens,
         page_tables=send(batch.page_tables),
         logits_indices=send(batch.logits_indices),
+        cascade=batch.cascade and device.type == "cpu",  # the cascade op is the CPU's
     )

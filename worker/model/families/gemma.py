@@ -9,7 +9,7 @@ What sets them apart from Llama, and where each lives:
 - alternating local (sliding-window) and global layers: Gemma 2 every other layer, Gemma 3 five
   local then one global. A window is only an attention mask over the shared KV pool;
 - Gemma 2: attention logits and final logits soft-capped, cap * tanh(x / cap). SDPA cannot cap its
-  scores, so Gemma 2's layers attend with `softcapped_paged_attention` below;
+  scores, so Gemma 2's layers pass `softcap` to paged_attention (worker/model/paged_attention.py);
 - Gemma 3: per-head q/k RMSNorm, and local layers rotate with their own base (10 000) and no
   scaling while global layers use rope_theta with rope_scaling (linear 8 on the 4B and larger).
 """
@@ -27,8 +27,7 @@ from worker.model.config import ModelConfig, hf_layer_windows, hf_rope_parameter
 from worker.model.decoder import Block, DecoderModel
 from worker.model.families.base import Family, attention, gated_mlp, lm_head, norm
 from worker.model.gguf_metadata import GGUFTensors, Metadata
-from worker.cuda.paged_decode import PagedDecode
-from worker.model.paged_attention import AttentionPlan, decode_keys_values, paged_attention, prefill_keys_values, write_kv
+from worker.model.paged_attention import paged_attention
 from worker.model.rope import Rotary
 
 if TYPE_CHECKING:
@@ -63,60 +62,6 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "sliding_window_pattern": 6,
     "tie_word_embeddings": True,
 }
-
-
-def _softcapped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
-) -> torch.Tensor:
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, values)
-
-
-def softcapped_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slots: torch.Tensor,
-    plan: AttentionPlan,
-    *,
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """paged_attention with the scores soft-capped before the softmax (same plans, same pool)."""
-    if isinstance(plan, PagedDecode):
-        return plan.attend(q, k, v, k_pool, v_pool, slots, scale, softcap=softcap)
-    tokens, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    write_kv(k, v, k_pool, v_pool, slots)
-    out = torch.empty_like(q)
-    if plan.decode is not None:
-        index = plan.decode.token_index
-        queries = q if index is None else q[index]
-        keys, values = decode_keys_values(k_pool, v_pool, plan.decode.pages, q.dtype)  # [D, kv_heads, L, head_dim]
-        grouped = queries.reshape(-1, kv_heads, group, head_dim)
-        attended = _softcapped_attention(grouped, keys, values, plan.decode.mask, scale, softcap).reshape(-1, heads, head_dim)
-        if index is None:
-            out[:] = attended
-        else:
-            out[index] = attended
-    for prefill in plan.prefills:
-        chunk = slice(prefill.start, prefill.end)
-        queries = q[chunk]
-        keys, values = prefill_keys_values(k[chunk], v[chunk], k_pool, v_pool, prefill, q.dtype)  # [1, kv_heads, length, hd]
-        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, 1, length, head_dim]
-        count, context = queries.shape[0], prefill.length
-        mask = prefill.mask
-        if mask is None:
-            mask = torch.ones(count, context, dtype=torch.bool, device=q.device).tril(context - count)
-        grouped = queries.reshape(count, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv_heads, group, count, head_dim]
-        attended = _softcapped_attention(grouped, keys, values, mask, scale, softcap)
-        out[chunk] = attended.permute(2, 0, 1, 3).reshape(count, heads, head_dim)
-    return out
 
 
 def _gguf_query_scalar(meta: Metadata, fields: dict[str, Any], big_layer_count: int) -> float:
@@ -179,7 +124,7 @@ class Gemma2(Family):
         options: GemmaOptions = config.options
         scale = options.query_pre_attn_scalar**-0.5
         if options.attn_softcap:
-            return functools.partial(softcapped_paged_attention, scale=scale, softcap=float(options.attn_softcap))
+            return functools.partial(paged_attention, scale=scale, softcap=float(options.attn_softcap))
         return functools.partial(paged_attention, scale=scale)
 
     def qk_norms(self, config: ModelConfig, weights: WeightBuilder, attn: str) -> dict[str, Any]:

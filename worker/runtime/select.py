@@ -1,0 +1,72 @@
+"""The one place that chooses where a worker's steps run.
+
+It resolves `--device`, `--dtype` and `--quant` for the loader (`resolve_device`, `resolve_weight_mode`),
+says whether the native CPU step is wanted (`--cpu-steps`), and picks the step backend from the loaded
+model's device and whether the native step attached. Adding a backend is its own file plus one line in
+`select_backend`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from worker.runtime.backend import StepBackend
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTS = ("none", "int8", "int4")
+# CPU defaults, measured on SmolLM2-135M: int4 weights with bfloat16 activations are fastest at small batches
+# (the int4/int8 kernels are ~20x slower with float32 activations). With bfloat16, `--quant auto` measures
+# instead (worker/model/weight_choice.py): int4 or int8 for small steps, packed dense copies for large ones.
+CPU_DEFAULT_DTYPE = "bfloat16"
+CPU_DEFAULT_QUANT = "int4"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_weight_mode(dtype: str, quant: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """'auto' picks bfloat16 + int4 on CPU and bfloat16 without quantization on CUDA."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {dtype!r}")
+    if quant != "auto" and quant not in QUANTS:
+        raise ValueError(f"quant must be auto or one of {QUANTS}, not {quant!r}")
+    on_cpu = device.type == "cpu"
+    if quant == "auto":
+        quant = CPU_DEFAULT_QUANT if on_cpu else "none"
+    if dtype == "auto":
+        dtype = CPU_DEFAULT_DTYPE if on_cpu else "bfloat16"
+    if quant != "none" and not on_cpu:
+        log.warning("quant %s has no kernel on %s: using unquantized %s weights", quant, device, dtype)
+        quant = "none"
+    return DTYPES[dtype], quant
+
+
+def tiered_cpu_weights(dtype: str, quant: str, device: torch.device) -> bool:
+    """Whether the loader tiers the weights by step size (int8 head, packed dense copies for long steps):
+    `quant auto` on a CPU in bfloat16."""
+    return quant == "auto" and device.type == "cpu" and dtype in ("auto", "bfloat16")
+
+
+def native_steps_wanted(quant: str, cpu_steps: str) -> bool:
+    """Whether to try the native CPU step (it attaches only where the CPU, device, dtype and model allow)."""
+    return quant == "int4" and cpu_steps != "torch"
+
+
+def select_backend(loaded, *, max_threads: int) -> StepBackend:
+    """The step backend for a loaded model. max_threads: the torch thread's count (the CPU's thread rule)."""
+    from worker.runtime.cpu_native import CpuNativeBackend
+    from worker.runtime.cpu_torch import CpuTorchBackend
+    from worker.runtime.cuda import CudaBackend
+
+    if loaded.device.type == "cuda":
+        return CudaBackend(loaded)
+    if getattr(loaded.model, "native_steps", None) is not None:
+        return CpuNativeBackend(loaded, max_threads)
+    return CpuTorchBackend(loaded, max_threads)
