@@ -22,6 +22,10 @@ OLD_WORKER_BATCH_BYTES = 16 << 20
 
 
 LOST = "unavailable"  # the error code an open request gets when its events may have been missed
+# A request whose client stopped reading queues its events here until sse.py's write timeout cuts
+# it; this bounds that queue whatever the timeout and the step rate (a delta is one step's text of
+# one request: a few hundred bytes, a few KiB with logprobs). Past it the request is ended.
+MAX_PENDING_EVENTS = 4096
 
 
 class AlreadyOpen(Exception):
@@ -116,5 +120,18 @@ class ReplyRouter:
             return
         for event in events:
             queue = self._queues.get(event.get("id"))
-            if queue is not None:  # else the client is gone; a late event has no one to go to
-                queue.put_nowait(event)
+            if queue is None:  # the client is gone; a late event has no one to go to
+                continue
+            if queue.qsize() >= MAX_PENDING_EVENTS:
+                self._cut_slow_reader(event.get("id"), queue)
+                continue
+            queue.put_nowait(event)
+
+    def _cut_slow_reader(self, request_id: str, queue: asyncio.Queue[dict[str, Any]]) -> None:
+        """End a request whose reader left MAX_PENDING_EVENTS unread: its queue is emptied and
+        closed with an error, so what one slow client costs the gateway stays bounded."""
+        log.warning("request %s: its client left %d events unread; the request is ended", request_id, queue.qsize())
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(protocol.error_event(request_id, -1, LOST, "the client read its answer too slowly; the request was ended"))
+        self.close(request_id)

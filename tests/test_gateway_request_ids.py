@@ -169,3 +169,19 @@ def test_on_a_cluster_each_choice_replies_on_its_own_shards_channel():
 class _NoMetrics:
     def request(self, *args):
         return None
+
+
+def test_a_request_whose_reader_left_too_many_events_unread_is_ended_and_its_queue_emptied(monkeypatch):
+    """What a client that stopped reading costs is bounded in events, not only in time (sse.py's write
+    timeout): past MAX_PENDING_EVENTS its queue is emptied, holds one error, and takes no more."""
+    from gateway import replies
+
+    monkeypatch.setattr(replies, "MAX_PENDING_EVENTS", 8)
+    router = ReplyRouter(redis=None, channel="lmq:reply:test")  # type: ignore[arg-type]
+    slow, other = router.open("slow"), router.open("other")
+    for offset in range(12):
+        batch = [protocol.delta_event("slow", offset, "a", [1], offset), protocol.delta_event("other", offset, "b", [2], offset)]
+        router._route(protocol.encode_event_batch(batch))
+        other.get_nowait()  # this reader keeps up
+    assert slow.qsize() == 1 and slow.get_nowait()["type"] == "error"
+    assert not router.is_open("slow") and router.is_open("other")
