@@ -25,7 +25,7 @@ from opentelemetry.trace import Status, StatusCode
 import protocol
 from protocol.tracing import traceparent, tracer
 
-from . import access_log
+from . import access_log, rate_limits
 from .context import Gateway
 from .errors import ApiError
 
@@ -116,6 +116,7 @@ class Generation:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         access_log.note(first_token_at=self._first_token_at, completion_tokens=self._tokens_relayed)
+        rate_limits.count_tokens(self.prompt_tokens + self._tokens_relayed)  # finished or left midway
         self.gateway.replies.close(self.request.id)
         self._end_span(exc)
         self.metrics.left(exc)
@@ -249,6 +250,7 @@ class Generation:
                 cached_tokens=int(usage.get("cached_tokens", 0)),
             ),
         )
+        self.prompt_tokens = done.usage.prompt_tokens or self.prompt_tokens  # a worker that sent no `started`
         self.metrics.done(done.finish_reason, done.usage.prompt_tokens, done.usage.completion_tokens)
         access_log.note(prompt_tokens=done.usage.prompt_tokens)
         return done
