@@ -120,6 +120,7 @@ class Generation:
         self.gateway.replies.close(self.request.id)
         self._end_span(exc)
         self.metrics.left(exc)
+        await asyncio.shield(self.gateway.queue.picked_up(self.request))  # its key's queue share, if still held
         if not self._finished:
             await asyncio.shield(self.gateway.queue.withdraw(self.request, self._entry_id))
 
@@ -201,12 +202,17 @@ class Generation:
                 if problem is None:
                     return None
                 if not self._started and await self.gateway.queue.taken(self.request, self._entry_id):
-                    self._started = True  # a worker holds it, busy with other prompts: wait for the deadline
+                    await self._picked_up()  # a worker holds it, busy with other prompts: wait for the deadline
                     continue
                 raise ApiError(504, problem, code="timeout") from None
-            self._started = True
+            if not self._started:
+                await self._picked_up()
             self.metrics.event()
             return event
+
+    async def _picked_up(self) -> None:
+        self._started = True
+        await self.gateway.queue.picked_up(self.request)
 
     def _time_limit(self) -> tuple[float, str]:
         """When to give up waiting for the next event, and the error to give then."""

@@ -126,3 +126,16 @@ async def test_running_the_line_again_resets_the_user(any_redis_url):
     with pytest.raises(AuthenticationError), redis.Redis.from_url(user_url(any_redis_url, "lmq", "A_LONG_PASSWORD")) as client:
         client.ping()
 
+
+
+async def test_a_keys_queue_share(any_redis_url):
+    """The gateway's per-key queue share (gateway/queue_share.py) runs under the documented user."""
+    from gateway.queue_share import CLAIM_LUA
+
+    r = connect(create_lmq_user(any_redis_url))
+    try:
+        claim = r.register_script(CLAIM_LUA)
+        assert await claim(keys=["lmq:ratelimit:{d}:queued"], args=["req-1", 1000, 60_000, 4]) == 0
+        assert await r.zrem("lmq:ratelimit:{d}:queued", "req-1") == 1
+    finally:
+        await r.aclose()
