@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ttft-requests", type=int, default=50, help="one-at-a-time requests for first-token latency")
     parser.add_argument("--kv-memory", default="2GiB", help="stub worker's KV budget (pages are allocated as usual)")
     parser.add_argument("--logs", type=Path, default=Path("bench/results/logs"))
+    parser.add_argument("--api-key", default="", help="start the gateway with this one API key (LMQ_API_KEYS) and send it: per-key checks on the hot path")
     parser.add_argument("--json", type=Path)
     return parser
 
@@ -51,7 +53,7 @@ async def streaming_levels(services: StubServices, args: argparse.Namespace) -> 
     levels = []
     first_prompt = args.ttft_requests
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
-        client = ChatClient(session, services.url)
+        client = ChatClient(session, services.url, api_key=API_KEY[0])
         client.model = await client.first_model()
         for streams in [int(s) for s in args.streams.split(",")]:
             count = streams * args.requests_per_stream
@@ -71,7 +73,7 @@ async def streaming_levels(services: StubServices, args: argparse.Namespace) -> 
 async def service_first_tokens(services: StubServices, count: int) -> list[float]:
     """TTFT of `count` requests sent one at a time through HTTP, gateway, Redis and worker."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
-        client = ChatClient(session, services.url)
+        client = ChatClient(session, services.url, api_key=API_KEY[0])
         client.model = await client.first_model()
         bodies = [client.chat_body(messages(i), 1, True) for i in range(count)]
         results, _ = await run_level(client, bodies, 1, timeout_s=300)
@@ -123,7 +125,12 @@ def _median_ms(values: list[float]) -> float | None:
     return statistics.median(values) * 1000 if values else None
 
 
+API_KEY = [""]  # the key the clients send (--api-key)
+
+
 async def run(args: argparse.Namespace) -> dict:
+    if args.api_key:  # the gateway process reads its settings from the environment too
+        os.environ["LMQ_API_KEYS"] = API_KEY[0] = args.api_key
     engine_ttft = await engine_first_tokens(args.ttft_requests)
     with StubServices(args.kv_memory, args.logs) as services:
         service_ttft = await service_first_tokens(services, args.ttft_requests)

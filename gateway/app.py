@@ -29,6 +29,7 @@ from .cors import parse_origins, setup_cors
 from .errors import ApiError, api_of, error_response
 from .metrics import Metrics, metrics_middleware
 from .queue import RequestQueue
+from .queue_share import QueueShare, setup_queue_share
 from .rate_limits import RateLimiter, load_limits, setup_rate_limits
 from .replies import ReplyRouter
 from .sharded_replies import ShardedReplyRouter
@@ -68,16 +69,17 @@ def reply_router(redis, shards: ShardLayout, gateway_id: str) -> ReplyRouter:
 def create_app(config: GatewayConfig) -> web.Application:
     redis = connect(config.redis_url)
     shards = shard_layout(config.redis_url)
+    keys = load_api_keys(config)
+    share = QueueShare(redis, config.max_queue_per_key, config.pickup_timeout, config.retry_after) if keys else None
     gateway = Gateway(
         config=config,
         redis=redis,
         replies=reply_router(redis, shards, config.gateway_id),
-        queue=RequestQueue(redis, shards, config.max_queue, config.retry_after),
+        queue=RequestQueue(redis, shards, config.max_queue, config.retry_after, share),
         models=ModelRegistry(redis, shards.home),
         metrics=Metrics(),
         shards=shards,
     )
-    keys = load_api_keys(config)
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[
@@ -91,6 +93,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     setup_access_log(app)  # before CORS: its preflight middleware stays outermost
     setup_cors(app, config.allowed_origins)
     if keys:  # limits are per API key
+        setup_queue_share(app)
         setup_rate_limits(app, RateLimiter(redis, load_limits(config), gateway.metrics))
     app.cleanup_ctx.append(_subscribed)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)

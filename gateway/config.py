@@ -18,6 +18,7 @@ class GatewayConfig:
     api_keys: str = field(default="", metadata={"help": "comma-separated API keys; empty = no auth"})
     api_keys_file: str = field(default="", metadata={"help": "file with one API key a line"})
     max_queue: int = field(default=256, metadata={"help": "waiting requests per model stream above which new ones get 429"})
+    max_queue_per_key: int = field(default=64, metadata={"help": "entries (choices x prompts) one API key may have waiting in the queue at once, across gateways; 0 = no cap"})
     request_timeout: float = field(default=600.0, metadata={"help": "seconds a request may take in all"})
     pickup_timeout: float = field(default=60.0, metadata={"help": "seconds to wait for a worker to start a request"})
     max_body_bytes: int = field(default=4 << 20, metadata={"help": "largest request body accepted"})

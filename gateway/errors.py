@@ -91,7 +91,9 @@ def anthropic_error_body(error: ApiError) -> dict[str, Any]:
 
 
 def error_response(api: str, error: ApiError) -> web.Response:
-    if api == "anthropic":
+    if api == "anthropic" and error.code == "rate_limit_exceeded":  # a key's own limit, not an overloaded service
+        status, body = 429, {"type": "error", "error": {"type": "rate_limit_error", "message": error.message}}
+    elif api == "anthropic":
         status, body = ANTHROPIC_STATUS.get(error.status, error.status), anthropic_error_body(error)
     else:
         status, body = error.status, openai_error_body(error)

@@ -26,7 +26,7 @@ from opentelemetry.trace import Status, StatusCode
 import protocol
 from protocol.tracing import traceparent, tracer
 
-from . import access_log
+from . import access_log, rate_limits
 from .context import Gateway
 from .errors import ApiError
 from .replies import AlreadyOpen
@@ -130,9 +130,11 @@ class Generation:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         access_log.note(first_token_at=self._first_token_at, completion_tokens=self._tokens_relayed)
+        rate_limits.count_tokens(self.prompt_tokens + self._tokens_relayed)  # finished or left midway
         self.gateway.replies.close(self.request.id)
         self._end_span(exc)
         self.metrics.left(exc)
+        await asyncio.shield(self.gateway.queue.picked_up(self.request))  # its key's queue share, if still held
         if not self._finished:
             await asyncio.shield(self.gateway.queue.withdraw(self.request, self._entry_id, self._cancel_token))
 
@@ -214,12 +216,17 @@ class Generation:
                 if problem is None:
                     return None
                 if not self._started and await self.gateway.queue.taken(self.request, self._entry_id):
-                    self._started = True  # a worker holds it, busy with other prompts: wait for the deadline
+                    await self._picked_up()  # a worker holds it, busy with other prompts: wait for the deadline
                     continue
                 raise ApiError(504, problem, code="timeout") from None
-            self._started = True
+            if not self._started:
+                await self._picked_up()
             self.metrics.event()
             return event
+
+    async def _picked_up(self) -> None:
+        self._started = True
+        await self.gateway.queue.picked_up(self.request)
 
     def _time_limit(self) -> tuple[float, str]:
         """When to give up waiting for the next event, and the error to give then."""
@@ -263,6 +270,7 @@ class Generation:
                 cached_tokens=int(usage.get("cached_tokens", 0)),
             ),
         )
+        self.prompt_tokens = done.usage.prompt_tokens or self.prompt_tokens  # a worker that sent no `started`
         self.metrics.done(done.finish_reason, done.usage.prompt_tokens, done.usage.completion_tokens)
         access_log.note(prompt_tokens=done.usage.prompt_tokens)
         return done

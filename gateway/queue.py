@@ -4,7 +4,8 @@ A request goes to its model's stream for its priority (protocol/keys.py: interac
 `lmq:req:<model>`, batch ones to `lmq:req-batch:<model>`); the backpressure counts that stream.
 On a Redis Cluster each of the K shards has such streams and a request goes to the shard its id
 hashes to; the backpressure then counts that shard's stream against 1/K of `max_queue`, so
-admission stays one round trip.
+admission stays one round trip. With API keys, each entry also takes a place in its key's share
+of the queue (queue_share.py) until a worker picks it up or it is withdrawn.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from protocol.keys import INTERACTIVE, ShardLayout
 from protocol.request_groups import RequestGroups
 
 from .errors import ApiError
+from .queue_share import QueueShare
 
 log = logging.getLogger(__name__)
 
 
 class RequestQueue:
-    def __init__(self, redis: aioredis.Redis, shards: ShardLayout, max_queue: int, retry_after: int):
+    def __init__(self, redis: aioredis.Redis, shards: ShardLayout, max_queue: int, retry_after: int, share: QueueShare | None = None):
         self.redis = redis
+        self.share = share
+        self._claims: dict[str, str] = {}  # request id → its key's share, until picked up or withdrawn
         self.shards = shards
         self.max_queue = max_queue
         self._max_per_shard = -(-max_queue // len(shards.shards))
@@ -66,8 +70,22 @@ class RequestQueue:
                 code="overloaded",
                 retry_after=self.retry_after,
             )
-        entry_id = await self.redis.xadd(stream, {"msg": request.encode()})
+        claim = await self.share.claim(request.id) if self.share is not None else None
+        try:
+            entry_id = await self.redis.xadd(stream, {"msg": request.encode()})
+        except BaseException:
+            if self.share is not None:
+                await self.share.release(claim, request.id)
+            raise
+        if claim is not None:
+            self._claims[request.id] = claim
         return entry_id.decode()
+
+    async def picked_up(self, request: protocol.Request) -> None:
+        """A worker holds the request (or the gateway gave it up): its place in its key's share is free."""
+        claim = self._claims.pop(request.id, None)
+        if claim is not None and self.share is not None:
+            await self.share.release(claim, request.id)
 
     async def taken(self, request: protocol.Request, entry_id: str) -> bool:
         """Whether a worker has read the request (it is pending in the group)."""
@@ -81,6 +99,7 @@ class RequestQueue:
         """Take back a request the client no longer waits for: unread, it is deleted; running, it is
         cancelled with the token whose digest the request carries (so no one else's request of that id
         is touched). Two commands, not a pipeline: a cluster pipeline refuses PUBLISH."""
+        await self.picked_up(request)
         try:
             await self.redis.xdel(self.stream_of(request), entry_id)
             await self.redis.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(request.id, cancel_token))

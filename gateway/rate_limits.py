@@ -13,8 +13,13 @@ the request, so gateways that admit requests of one key at the same moment canno
 last one; the script's two keys are one key's counters under one hash tag
 (`lmq:ratelimit:{<digest>}:requests|tokens`), so on a Redis Cluster they share the slot a script
 needs. Tokens are known only when an answer ends: a request is admitted while the key's tokens
-in the window are below its limit, and its tokens (as the access line reports them) are added
-when it ends. So a key can overshoot its token limit by the requests it had running, never more.
+in the window are below its limit, and what it cost is added when it ends. So a key can overshoot
+its token limit by the requests it had running, never more.
+
+What a request costs is counted per generation, not read from its access line: each choice of
+`n` and each prompt of a legacy completion is charged its prompt tokens and every completion token
+relayed (generation.py calls `count_tokens` as each one ends), and a request the client left is
+charged too: its prompt (known from the worker's `started` event) and the tokens relayed so far.
 
 Every answer to a limited key carries the headers its API documents (OpenAI:
 `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`; Anthropic:
@@ -25,11 +30,13 @@ uses for an overloaded service).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import functools
 import hashlib
 import math
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -38,7 +45,6 @@ from aiohttp.typedefs import Handler
 
 from protocol.keys import rate_limit_key
 
-from . import access_log
 from .auth import key_file_options, presented_key
 from .config import GatewayConfig
 from .errors import api_of
@@ -77,6 +83,23 @@ local total = redis.call('INCRBY', KEYS[1], ARGV[1])
 if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return total
 """
+
+
+@dataclass
+class Ledger:
+    """The tokens one HTTP request's generations used; shared by the tasks its choices run in."""
+
+    tokens: int = 0
+
+
+_ledger: ContextVar[Ledger | None] = ContextVar("lmq_rate_limit_ledger", default=None)
+
+
+def count_tokens(tokens: int) -> None:
+    """Charge `tokens` (one generation's prompt + completion) to the key of the request being handled."""
+    ledger = _ledger.get()
+    if ledger is not None and tokens > 0:
+        ledger.tokens += tokens
 
 
 @dataclass(frozen=True)
@@ -191,11 +214,14 @@ def _middleware(limiter: RateLimiter):
         if window.refused:
             limiter.metrics.errors.labels("rate_limited").inc()
             return refusal(api, window, request[_HEADERS])
+        ledger = Ledger()
+        token = _ledger.set(ledger)
         try:
             return await handler(request)
         finally:
-            if limits.tokens:
-                await limiter.charge(key, access_log.tokens_used(request))
+            _ledger.reset(token)
+            if limits.tokens:  # shielded: a client that hung up is charged all the same
+                await asyncio.shield(limiter.charge(key, ledger.tokens))
 
     return limit
 

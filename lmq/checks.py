@@ -25,6 +25,7 @@ def check_gateway(config: GatewayConfig) -> None:
             raise ValueError(f"{setting_name(GatewayConfig, name)} must be more than 0, not {getattr(config, name)!r}")
     at_least(config, "max_body_bytes", 1)
     at_least(config, "max_queue", 0)
+    at_least(config, "max_queue_per_key", 0)
     at_least(config, "retry_after", 0)
     at_least(config, "default_max_tokens", 1)
     at_least(config, "rate_limit_requests", 0)

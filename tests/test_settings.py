@@ -84,6 +84,7 @@ def test_worker_settings_are_checked_before_anything_starts(settings, message):
         (dict(api_keys_file="/nonexistent/keys"), r"LMQ_API_KEYS_FILE \(--api-keys-file\): cannot read /nonexistent/keys"),
         (dict(log_level="chatty"), r"LMQ_LOG_LEVEL"),
         (dict(rate_limit_tokens=-1), r"LMQ_RATE_LIMIT_TOKENS \(--rate-limit-tokens\) must be"),
+        (dict(max_queue_per_key=-1), r"LMQ_MAX_QUEUE_PER_KEY \(--max-queue-per-key\) must be"),
         (dict(batch_in_flight=0), r"LMQ_BATCH_IN_FLIGHT \(--batch-in-flight\) must be"),
         (dict(batch_window_seconds=0.0), r"LMQ_BATCH_WINDOW_SECONDS \(--batch-window-seconds\) must be more than 0"),
     ],
