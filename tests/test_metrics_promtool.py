@@ -55,6 +55,13 @@ WORKER_VLLM_ALIASES = {
     "vllm:generation_tokens_total": "lmq_generation_tokens_total",
     "vllm:num_preemptions_total": "lmq_preemptions_total",
 }
+GATEWAY_VLLM_ALIASES = {
+    "vllm:prompt_tokens_total": "lmq_prompt_tokens_total",
+    "vllm:time_to_first_token_seconds_count": "lmq_time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count": "lmq_time_per_output_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_count": "lmq_e2e_request_latency_seconds_count",
+    "vllm:request_queue_time_seconds_count": "lmq_queue_wait_seconds_count",
+}
 HISTOGRAMS = {"lmq_time_to_first_token_seconds", "lmq_time_per_output_token_seconds", "lmq_e2e_request_latency_seconds", "lmq_queue_wait_seconds", "lmq_step_seconds"}
 
 
@@ -141,6 +148,8 @@ async def test_every_metrics_endpoint_passes_promtool_with_the_documented_names(
     # vLLM's names carry the same values under `model_name`
     for alias, name in WORKER_VLLM_ALIASES.items():
         assert value(worker_text, alias, model_name=REAL_MODEL) == value(worker_text, name, model=REAL_MODEL), alias
+    for alias, name in GATEWAY_VLLM_ALIASES.items():
+        assert value(gateway_text, alias, model_name=REAL_MODEL) == value(gateway_text, name, model=REAL_MODEL) > 0, alias
     assert 0 <= value(worker_text, "vllm:kv_cache_usage_perc", model_name=REAL_MODEL) <= 1
     assert value(worker_text, "vllm:generation_tokens_total", model_name=REAL_MODEL) > 0
 
