@@ -139,8 +139,10 @@ def parse_sampling(body: dict[str, Any], defaults: dict[str, Any]) -> protocol.S
 # ---------------------------------------------------------------- response bodies
 
 
-def stop_reason(done: Done, calls: list[ToolCall]) -> str:
-    if done.finish_reason == "length":
+def stop_reason(done: Done, calls: list[ToolCall], forced: bool = False) -> str:
+    """`forced`: a forced tool choice's turn with a complete call ends with it (tool_use) even where
+    the output ran on to max_tokens."""
+    if done.finish_reason == "length" and not (forced and calls):
         return "max_tokens"
     if calls:
         return "tool_use"
@@ -165,14 +167,14 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments if isinstance(arguments, dict) else {}}
 
 
-def message_body(message_id: str, model: str, content: list[dict[str, Any]], done: Done | None, calls: list[ToolCall], prompt_tokens: int = 0) -> dict[str, Any]:
+def message_body(message_id: str, model: str, content: list[dict[str, Any]], done: Done | None, calls: list[ToolCall], prompt_tokens: int = 0, forced: bool = False) -> dict[str, Any]:
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": stop_reason(done, calls) if done else None,
+        "stop_reason": stop_reason(done, calls, forced) if done else None,
         "stop_sequence": done.stop_sequence if done else None,
         "usage": usage_body(done.usage) if done else {"input_tokens": prompt_tokens, "output_tokens": 0},
     }
@@ -203,7 +205,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             content_text = reader.feed(text).text + reader.finish().text
             content = ([{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else [])
             content += [tool_use_block(call) for call in reader.calls]
-            return web.json_response(message_body(request_id, model, content, done, reader.calls))
+            return web.json_response(message_body(request_id, model, content, done, reader.calls, forced=reader.forced_done))
         await choices.admitted(gateway.config.admission_wait)
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
@@ -271,7 +273,7 @@ async def relay(response: web.StreamResponse, choices: Choices, request_id: str,
         if blocks.index < 0:  # an empty answer still has its (empty) text block
             await blocks.open_text()
         await blocks.close()
-        delta = {"stop_reason": stop_reason(event, reader.calls), "stop_sequence": event.stop_sequence}
+        delta = {"stop_reason": stop_reason(event, reader.calls, reader.forced_done), "stop_sequence": event.stop_sequence}
         await blocks.send({"type": "message_delta", "delta": delta, "usage": usage_body(event.usage)})
         await blocks.send({"type": "message_stop"})
 

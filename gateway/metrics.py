@@ -68,6 +68,18 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "alias of lmq_prompt_tokens_total", ["model_name"], registry=registry)
+        # vLLM's names for the same observations (label model_name), for recipes written for vLLM.
+        # inter_token_latency is lmq's per-request mean; request_queue_time includes the prefill.
+        self.vllm_aliases = {
+            histogram: Histogram(name, "the same observations as the lmq_ histogram", ["model_name"], buckets=buckets, registry=registry)
+            for histogram, name, buckets in (
+                (self.time_to_first_token, "vllm:time_to_first_token_seconds", TTFT_BUCKETS),
+                (self.time_per_output_token, "vllm:inter_token_latency_seconds", TPOT_BUCKETS),
+                (self.e2e_request_latency, "vllm:e2e_request_latency_seconds", E2E_BUCKETS),
+                (self.queue_wait, "vllm:request_queue_time_seconds", TTFT_BUCKETS),
+            )
+        }
         self.queue_depth = Gauge("lmq_queue_depth", "requests in the model's stream not yet read by a worker (read at scrape time)", ["model"], registry=registry)
 
     def render(self) -> bytes:
@@ -113,6 +125,7 @@ class RequestMetrics:
             self._observe(self._metrics.time_per_output_token, (now - self._first_token_at) / (completion_tokens - 1))
         self._observe(self._metrics.e2e_request_latency, now - self._created_at)
         self._metrics.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self._metrics.vllm_prompt_tokens.labels(self.model).inc(prompt_tokens)
         self.ended(finish_reason)
 
     def ended(self, outcome: str) -> None:
@@ -128,6 +141,7 @@ class RequestMetrics:
     def _observe(self, histogram: Histogram, seconds: float) -> None:
         if self.timed:
             histogram.labels(self.model).observe(seconds)
+            self._metrics.vllm_aliases[histogram].labels(self.model).observe(seconds)
 
 
 def outcome_of(exc: BaseException | None) -> str:

@@ -162,13 +162,27 @@ class ToolCallReader:
         if self.plan.mode == "named":
             return self._feed_named(text)
         self._pending += text
-        return self._drain(final=False)
+        return self._forced(self._drain(final=False))
 
     def finish(self) -> Piece:
-        """The end of the output: text held back that never became a call is content after all."""
+        """The end of the output: text held back that never became a call is content after all
+        (under `auto`; a forced call's text is never content, see `_forced`)."""
         if self.plan.mode in ("none", "named"):
             return Piece()
-        return self._drain(final=True)
+        return self._forced(self._drain(final=True))
+
+    @property
+    def forced_done(self) -> bool:
+        """A forced (`required`) turn that holds a complete call: it ends with the calls, whatever
+        the output ran on to (a repeated call, or a call cut at max_tokens)."""
+        return self.plan.mode == "required" and bool(self.calls)
+
+    def _forced(self, piece: Piece) -> Piece:
+        """Under `required` the grammar admits only calls, so any text is a call's raw tags (one cut
+        off at max_tokens): it is never content."""
+        if self.plan.mode == "required":
+            piece.text = ""
+        return piece
 
     def _feed_named(self, text: str) -> Piece:
         piece = Piece()
@@ -201,6 +215,8 @@ class ToolCallReader:
             body = self._pending[start + len(OPEN) : end]
             self._pending = self._pending[end + len(CLOSE) :].lstrip("\n") if not final else self._pending[end + len(CLOSE) :]
             call = self._parse(body)
+            if call is _REPEAT:
+                continue  # a forced call repeated verbatim: the grammar let the model run on
             if call is None:
                 piece.text += OPEN + body + CLOSE
             else:
@@ -216,9 +232,14 @@ class ToolCallReader:
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             return None
         arguments = data.get("arguments", data.get("parameters", {}))
+        if self.plan.mode == "required" and any(c.name == data["name"] and json.loads(c.arguments) == arguments for c in self.calls):
+            return _REPEAT
         call = ToolCall(len(self.calls), new_call_id(self.id_prefix), data["name"], json.dumps(arguments, ensure_ascii=False))
         self.calls.append(call)
         return call
+
+
+_REPEAT = ToolCall(-1, "", "", "")
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -10,7 +10,7 @@ import aiohttp
 import jsonschema
 import openai
 import pytest
-from gateway_support import MODEL, REAL_MODEL, running_gateway, words_script, worker_running
+from gateway_support import MODEL, REAL_MODEL, real_worker, running_gateway, words_script, worker_running
 
 import protocol
 
@@ -284,3 +284,17 @@ async def test_a_model_whose_workers_are_gone_is_503_with_retry_after(redis_url,
         assert error.value.status_code == 503 and error.value.response.headers["Retry-After"] == "5"
         with pytest.raises(openai.NotFoundError):
             await gone.chat.completions.create(model="never-served", messages=MESSAGES, max_tokens=2)
+
+
+@pytest.mark.slow
+async def test_a_required_call_on_the_real_model_has_no_content(redis_url, default_model):
+    # issue 29: `required` left the raw `<tool_call>` tags (a repeated call cut at max_tokens) in message.content.
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    ask = dict(model=REAL_MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[tool], tool_choice="required", max_tokens=96, temperature=0)
+    async with real_worker(redis_url, default_model, kv_memory="64MiB"), running_gateway(redis_url) as url:
+        answer = await openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).chat.completions.create(**ask)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert not choice.message.content
+    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+    assert calls and len(calls) == len(set(calls))

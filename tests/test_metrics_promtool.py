@@ -48,6 +48,20 @@ WORKER_METRICS = {
     "lmq_requests_finished_total": {"model", "outcome"},
     "lmq_step_seconds": {"model"},
 }
+# vLLM's names for the engine's gauges and counters, with vLLM's label (issue 29)
+WORKER_VLLM_ALIASES = {
+    "vllm:num_requests_running": "lmq_requests_running",
+    "vllm:num_requests_waiting": "lmq_requests_waiting",
+    "vllm:generation_tokens_total": "lmq_generation_tokens_total",
+    "vllm:num_preemptions_total": "lmq_preemptions_total",
+}
+GATEWAY_VLLM_ALIASES = {
+    "vllm:prompt_tokens_total": "lmq_prompt_tokens_total",
+    "vllm:time_to_first_token_seconds_count": "lmq_time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count": "lmq_time_per_output_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_count": "lmq_e2e_request_latency_seconds_count",
+    "vllm:request_queue_time_seconds_count": "lmq_queue_wait_seconds_count",
+}
 HISTOGRAMS = {"lmq_time_to_first_token_seconds", "lmq_time_per_output_token_seconds", "lmq_e2e_request_latency_seconds", "lmq_queue_wait_seconds", "lmq_step_seconds"}
 
 
@@ -57,8 +71,10 @@ def promtool_problems(text: str) -> str | None:
     if promtool is None:
         return None
     result = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60)
-    output = (result.stdout + result.stderr).decode().strip()
-    return output if result.returncode or output else ""
+    # promtool's lint reserves ':' for recording rules; vLLM's names have it, and the aliases exist
+    # to be those names exactly: that one warning, on those names only, is expected.
+    lines = [line for line in (result.stdout + result.stderr).decode().strip().splitlines() if not (line.startswith("vllm:") and line.endswith("metric names should not contain ':'"))]
+    return "\n".join(lines)
 
 
 def samples_by_name(text: str) -> dict[str, list[dict[str, str]]]:
@@ -128,6 +144,14 @@ async def test_every_metrics_endpoint_passes_promtool_with_the_documented_names(
                 assert {sample["model"] for sample in samples[name]} == {REAL_MODEL}, (endpoint, name)
         lmq_names = {name for name in samples if name.startswith("lmq_")}
         assert lmq_names == set(expected), f"the {endpoint} exports undocumented metrics: {lmq_names - set(expected)}"
+
+    # vLLM's names carry the same values under `model_name`
+    for alias, name in WORKER_VLLM_ALIASES.items():
+        assert value(worker_text, alias, model_name=REAL_MODEL) == value(worker_text, name, model=REAL_MODEL), alias
+    for alias, name in GATEWAY_VLLM_ALIASES.items():
+        assert value(gateway_text, alias, model_name=REAL_MODEL) == value(gateway_text, name, model=REAL_MODEL) > 0, alias
+    assert 0 <= value(worker_text, "vllm:kv_cache_usage_perc", model_name=REAL_MODEL) <= 1
+    assert value(worker_text, "vllm:generation_tokens_total", model_name=REAL_MODEL) > 0
 
     # one vocabulary of error codes, never a bare HTTP status
     codes = {labels["code"] for labels in samples_by_name(gateway_text)["lmq_errors_total"]}

@@ -51,6 +51,24 @@ class _EngineCollector(Collector):
         yield counter("lmq_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache (not computed again)", stats.prefix_hit_tokens)
         yield counter("lmq_generation_tokens", "tokens sampled", stats.tokens_generated)
         yield counter("lmq_preemptions", "sequences preempted for pages (their KV recomputed later)", stats.preemptions)
+        yield from self._vllm_aliases(stats)
+
+    def _vllm_aliases(self, stats: EngineStats) -> Iterator[Metric]:
+        """vLLM's names and label (`model_name`) for the same values, so autoscaling and routing
+        recipes written for vLLM (KEDA on waiting requests, the Gateway API inference extension's
+        queue, running and KV gauges) read lmq unchanged."""
+
+        def family(kind: type, name: str, documentation: str, value: float) -> Metric:
+            metric = kind(name, documentation, labels=["model_name"])
+            metric.add_metric([self._model], value)
+            return metric
+
+        usage = stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
+        yield family(GaugeMetricFamily, "vllm:num_requests_running", "alias of lmq_requests_running", stats.running)
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "alias of lmq_requests_waiting", stats.waiting)
+        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache pages in use, a fraction (1 = full)", usage)
+        yield family(CounterMetricFamily, "vllm:generation_tokens", "alias of lmq_generation_tokens_total", stats.tokens_generated)
+        yield family(CounterMetricFamily, "vllm:num_preemptions", "alias of lmq_preemptions_total", stats.preemptions)
 
 
 class WorkerMetrics:
