@@ -16,6 +16,8 @@ import redis.asyncio as aioredis
 
 from lmq.redis_server import EmbeddedRedis
 from protocol import REQUEST_GROUP, Reply, delta_event, encode_event_batch, progress_key
+from protocol.keys import INTERACTIVE
+from worker.claims import Lane
 from worker.publisher import Publisher
 
 STREAM = "lmq:req:bench"
@@ -26,7 +28,7 @@ async def measure(redis: aioredis.Redis, requests: int, steps: int) -> tuple[flo
     await redis.xgroup_create(STREAM, REQUEST_GROUP, id="0", mkstream=True)
     entries = [(await redis.xadd(STREAM, {"msg": b"x"})).decode() for _ in range(requests)]
     await redis.xreadgroup(REQUEST_GROUP, "w1", {STREAM: ">"}, count=requests)
-    publisher = Publisher(redis, STREAM, "w1")
+    publisher = Publisher(redis, [Lane(INTERACTIVE, STREAM)], "w1")
     script, multi = [], []
     for step in range(steps):
         events = [delta_event(f"r{i}", step, "tok", [step], step) for i in range(requests)]

@@ -133,15 +133,6 @@ def text_content(value: Any, name: str) -> str:
     return "\n".join(texts)
 
 
-def chat_message(message: Any, where: str, roles: tuple[str, ...]) -> dict[str, str]:
-    """One `{role, content}` message as the protocol takes it; `where` names it in errors."""
-    if not isinstance(message, dict):
-        raise invalid(where, "must be an object with `role` and `content`")
-    if message.get("role") not in roles:
-        raise invalid(f"{where}.role", f"must be one of {', '.join(roles)}")
-    return {"role": message["role"], "content": text_content(message.get("content"), f"{where}.content")}
-
-
 def refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
     """A parameter lmq does not implement is refused by name, never silently ignored."""
     unknown = sorted(name for name in body if name not in known)

@@ -20,9 +20,12 @@ from protocol import (
     done_event,
     progress_key,
 )
+from protocol.keys import INTERACTIVE
+from worker.claims import Lane
 from worker.publisher import DEAD_LETTER_PREFIX_BYTES, Publisher
 
 STREAM = "lmq:req:test"
+LANES = [Lane(INTERACTIVE, STREAM)]
 WAIT_S = 60.0  # for a message already published: it comes at once unless the machine is very busy
 
 
@@ -40,7 +43,7 @@ async def subscribed(redis, channel: str):
 
 @pytest.fixture
 async def publisher(redis_client):
-    publisher = Publisher(redis_client, STREAM, "w1")
+    publisher = Publisher(redis_client, LANES, "w1")
     task = asyncio.create_task(publisher.run())
     yield publisher
     task.cancel()
@@ -86,7 +89,7 @@ async def test_progress_is_recorded_then_forgotten_with_the_ack(publisher, redis
 
 async def test_a_refused_reply_fails_its_request_alone(redis_client):
     refused = []
-    publisher = Publisher(redis_client, STREAM, "w1", on_refused=lambda *args: refused.append(args))
+    publisher = Publisher(redis_client, LANES, "w1", on_refused=lambda *args: refused.append(args))
     task = asyncio.create_task(publisher.run())
     await redis_client.set("not-a-stream", "x")
     denied = await _owned_entry(redis_client, "w1")
@@ -124,7 +127,7 @@ async def _owned_entry(redis, consumer: str) -> str:
 
 async def test_a_worker_that_lost_its_entry_writes_nothing_for_it(redis_client):
     refused = []
-    stale = Publisher(redis_client, STREAM, "stale", on_refused=lambda *args: refused.append(args))
+    stale = Publisher(redis_client, LANES, "stale", on_refused=lambda *args: refused.append(args))
     task = asyncio.create_task(stale.run())
     entry_id = await _owned_entry(redis_client, "stale")
     await redis_client.xclaim(STREAM, REQUEST_GROUP, "new-owner", 0, [entry_id])  # taken over while stale stalled
@@ -141,7 +144,7 @@ async def test_a_worker_that_lost_its_entry_writes_nothing_for_it(redis_client):
 
 async def test_a_step_sent_twice_is_written_once(redis_client):
     """A retry after a lost reply (the script ran, its answer did not arrive) must not duplicate anything."""
-    publisher = Publisher(redis_client, STREAM, "w1")
+    publisher = Publisher(redis_client, LANES, "w1")
     entry_id = await _owned_entry(redis_client, "w1")
     publisher.send(entry_id, Reply("stream", "out:r1"), delta_event("r1", 0, "Hi", [5], 0))
     publisher.record_progress(entry_id, "r1", 0, [5])
@@ -155,7 +158,7 @@ async def test_a_step_sent_twice_is_written_once(redis_client):
 
 async def test_a_refused_reply_is_dead_lettered_once_whatever_follows(redis_client):
     """Steps already queued for a request whose reply was refused must not dead-letter it again."""
-    publisher = Publisher(redis_client, STREAM, "w1")
+    publisher = Publisher(redis_client, LANES, "w1")
     task = asyncio.create_task(publisher.run())
     entry_id = await _owned_entry(redis_client, "w1")
     await redis_client.set("not-a-stream", "x")
@@ -259,7 +262,7 @@ async def test_an_event_too_large_for_any_message_fails_its_own_request_alone(re
     entries = [(await redis_client.xadd(STREAM, {"msg": b"x"})).decode() for _ in range(4)]
     await redis_client.xreadgroup(REQUEST_GROUP, "w1", {STREAM: ">"}, count=4)
     refused = []
-    publisher = Publisher(redis_client, STREAM, "w1", on_refused=lambda *args: refused.append(args))
+    publisher = Publisher(redis_client, LANES, "w1", on_refused=lambda *args: refused.append(args))
     task = asyncio.create_task(publisher.run())
     pubsub = await subscribed(redis_client, "lmq:reply:g1")
     reply = Reply("pubsub", "lmq:reply:g1")

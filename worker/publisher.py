@@ -37,7 +37,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from protocol import MAX_MESSAGE_BYTES, REQUEST_GROUP, Reply, encode, encode_progress, error_event
-from protocol.keys import INTERACTIVE, Shard
+from protocol.keys import Shard
 from protocol.redis_client import UNREACHABLE
 from worker.claims import Lane, split_handle
 from worker.step_script import LUA
@@ -81,14 +81,14 @@ class Publisher:
     def __init__(
         self,
         redis: aioredis.Redis,
-        lanes: str | list[Lane],
+        lanes: list[Lane],
         consumer: str,
         on_refused: Refused | None = None,
         on_written: Callable[[list[str]], None] | None = None,
     ):
         self.redis = redis
         # Entries are named by handles (worker/claims.py: entry_handle): each write goes to its entry's own stream.
-        self.lanes = {lane.name: lane for lane in ([Lane(INTERACTIVE, lanes)] if isinstance(lanes, str) else lanes)}
+        self.lanes = {lane.name: lane for lane in lanes}
         self.consumer = consumer
         self.on_refused = on_refused or (lambda entry_id, status, detail: None)
         self.on_written = on_written or (lambda entry_ids: None)

@@ -104,11 +104,6 @@ class ModelConfig:
         """A Llama-style config.json (the fields every family shares); families add their own."""
         return cls(**hf_common_fields(raw))
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers, in elements (multiply by the element size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def hf_rope_parameters(raw: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
     """The rope block of a config.json in either layout: transformers 4 (`rope_theta` + `rope_scaling`)
