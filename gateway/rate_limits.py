@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import functools
-import hashlib
 import math
 import time
 from contextvars import ContextVar
@@ -45,6 +44,7 @@ from aiohttp.typedefs import Handler
 
 from protocol.keys import rate_limit_key
 
+from .auth import key_digest as _digest  # counters, owners and shares: one hash of a key, never the key
 from .auth import key_file_options, presented_key
 from .config import GatewayConfig
 from .errors import api_of
@@ -271,8 +271,3 @@ def duration(ms: int) -> str:
     minutes, seconds = divmod(ms / 1000, 60)
     text = f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
     return f"{int(minutes)}m{text}" if minutes else text
-
-
-def _digest(key: str) -> str:
-    """Counters are named by a hash of the key: the key itself is never written to Redis."""
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
