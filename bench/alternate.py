@@ -58,7 +58,9 @@ class Alternation:
                     kept = best[label].get(level)
                     if kept is None or found["output_tok_s"] > kept["output_tok_s"]:
                         best[label][level] = found
-        return {label: {"label": label, "levels": [best[label][level] for level in workload.levels]} for label in labels}
+        return {
+            label: {"label": label, "levels": [best[label][level] for level in workload.levels]} for label in labels
+        }
 
     def _questions(self, count: int) -> int:
         first = self.next_question

@@ -30,7 +30,14 @@ class ChatClient:
     by the timeout its caller gives. (aiohttp's own default is 5 minutes, as long as a test's limit.)
     """
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str = "", api_key: str = "", probe_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        model: str = "",
+        api_key: str = "",
+        probe_timeout_s: float = 60.0,
+    ):
         self.session = session
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -40,7 +47,9 @@ class ChatClient:
     async def first_model(self) -> str:
         url = f"{self.base_url}/models"
         try:
-            async with self.session.get(url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as response:
+            async with self.session.get(
+                url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)
+            ) as response:
                 response.raise_for_status()
                 return (await response.json())["data"][0]["id"]
         except TimeoutError:
@@ -51,7 +60,9 @@ class ChatClient:
         body = {"model": self.model, "messages": messages, "max_tokens": 1, "stream": False}
         timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
         try:
-            async with self.session.post(f"{self.base_url}/chat/completions", json=body, headers=self.headers, timeout=timeout) as response:
+            async with self.session.post(
+                f"{self.base_url}/chat/completions", json=body, headers=self.headers, timeout=timeout
+            ) as response:
                 if response.status != 200:
                     raise RuntimeError(f"probe failed: HTTP {response.status}: {(await response.text())[:200]}")
                 usage = (await response.json()).get("usage") or {}

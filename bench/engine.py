@@ -31,17 +31,23 @@ from pathlib import Path
 import torch
 
 import worker.engine as engine_module
-import worker.runtime.backend as backend_module
 import worker.model.llama as llama
+import worker.runtime.backend as backend_module
 from bench import engine_report, peer_hf
 from bench.engine_report import Breakdown, Figures, Sizes
 from protocol import SamplingParams
-from worker.engine import Engine, GenRequest, SeqOutput
 from worker import compute_thread
+from worker.engine import Engine, GenRequest, SeqOutput
 from worker.model.loader import LoadedModel, default_model_path, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ["auto/auto", "bfloat16/int4", "bfloat16/none", "bfloat16/int8", "float32/none"]  # auto: the default (worker/model/weight_choice.py)
+MODES = [
+    "auto/auto",
+    "bfloat16/int4",
+    "bfloat16/none",
+    "bfloat16/int8",
+    "float32/none",
+]  # auto: the default (worker/model/weight_choice.py)
 
 
 def prompt_ids(model: LoadedModel, length: int, salt: int) -> list[int]:
@@ -87,7 +93,9 @@ class StepProbe:
         engine.backend.model = self._timed(forward, "model_s")
 
         def undo() -> None:
-            backend_module.build_step_batch, engine_module.sample, llama.plan_attention, llama.paged_attention = originals
+            backend_module.build_step_batch, engine_module.sample, llama.plan_attention, llama.paged_attention = (
+                originals
+            )
             engine.backend.model = forward
 
         return undo
@@ -267,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         peer_label = f"HF transformers {peer_hf.version()} generate, float32"
         started = time.perf_counter()
         rows[peer_label] = compute_thread.run(peer_hf.measure, path, sizes, work.decode, work.prefills)
-        print(engine_report.figures_table({peer_label: rows[peer_label]}, sizes), f"\n({time.perf_counter() - started:.0f} s)", flush=True)
+        print(
+            engine_report.figures_table({peer_label: rows[peer_label]}, sizes),
+            f"\n({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
     for mode in args.modes:
         dtype, quant = mode.split("/")
         started = time.perf_counter()
@@ -275,7 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         label = f"lmq {mode}"
         rows[label], breakdowns[label] = asyncio.run(measure(model, work, sizes))
         print(engine_report.figures_table({label: rows[label]}, sizes), flush=True)
-        print(engine_report.breakdown_table({label: breakdowns[label]}), f"\n({time.perf_counter() - started:.0f} s)", flush=True)
+        print(
+            engine_report.breakdown_table({label: breakdowns[label]}),
+            f"\n({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
     print("\n" + engine_report.figures_table(rows, sizes))
     if peer_label:
         print("\n" + engine_report.ratio_table(rows, rows[peer_label], peer_label, sizes))

@@ -80,7 +80,9 @@ class EngineBench:
 
     def __init__(self, model: LoadedModel, sizes: Sizes) -> None:
         self.model, self.sizes = model, sizes
-        per_page = page_bytes(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, PAGE_SIZE, model.dtype)
+        per_page = page_bytes(
+            model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, PAGE_SIZE, model.dtype
+        )
         started = time.perf_counter()
         self.engine = Engine(model, kv_memory_bytes=sizes.kv_pages * per_page, page_size=PAGE_SIZE,
                              max_seqs=max(sizes.streams + [sizes.batch_prompts]), step_tokens=sizes.step_tokens,
@@ -123,7 +125,11 @@ class EngineBench:
         start, end = await self.run(prompts, sizes.new_tokens)
         steps = self.steps
         # a step of every stream's decode: a graph replay (a mixed step runs eagerly) that gave each stream a token
-        full = [steps[i][0] - steps[i - 1][0] for i in range(1, len(steps)) if steps[i][1] == streams and steps[i][2] > steps[i - 1][2]]
+        full = [
+            steps[i][0] - steps[i - 1][0]
+            for i in range(1, len(steps))
+            if steps[i][1] == streams and steps[i][2] > steps[i - 1][2]
+        ]
         decode_tok_s = streams * len(full) / sum(full) if full else None
         return {
             "streams": streams, "decode_tok_s": decode_tok_s, "step_ms_median": 1000 * statistics.median(full) if full else None,
@@ -168,7 +174,9 @@ def step_anatomy(model: LoadedModel, sizes: Sizes, batch_size: int, context: int
     device, config = model.device, model.config
     pages_per_seq = -(-(context + 1) // PAGE_SIZE)
     shape = (config.num_layers, batch_size * pages_per_seq, PAGE_SIZE, config.num_kv_heads, config.head_dim)
-    kv = PagedKV(k=torch.randn(shape, dtype=model.dtype, device=device), v=torch.randn(shape, dtype=model.dtype, device=device))
+    kv = PagedKV(
+        k=torch.randn(shape, dtype=model.dtype, device=device), v=torch.randn(shape, dtype=model.dtype, device=device)
+    )
     tables = torch.arange(batch_size * pages_per_seq).view(batch_size, pages_per_seq)
     slots = tables[:, context // PAGE_SIZE] * PAGE_SIZE + context % PAGE_SIZE
     cpu = dict(input_ids=torch.randint(0, config.vocab_size, (batch_size,)), positions=torch.full((batch_size,), context),
@@ -220,7 +228,9 @@ def hf_measure(hf, sizes: Sizes, vocab: int, device: torch.device, record: Calla
     record("prefill", {"long_prompt_tok_s": sizes.long_prompt / (time.perf_counter() - start)})
 
 
-def kernel_bench(device: torch.device, dtype: torch.dtype, record: Callable[[str, object], None], dry_run: bool) -> None:
+def kernel_bench(
+    device: torch.device, dtype: torch.dtype, record: Callable[[str, object], None], dry_run: bool
+) -> None:
     """The paged decode (K/V write + attention) against the CPU path's gather + SDPA, at the two shapes' head layouts."""
     layouts = [("smollm2-135m", 3, 3, 64), ("llama-3.2-1b", 8, 4, 64)]
     cases = [(1, 512), (1, 4096), (64, 512), (256, 512), (256, 2048)] if not dry_run else [(2, 40)]
@@ -238,7 +248,9 @@ def kernel_bench(device: torch.device, dtype: torch.dtype, record: Callable[[str
             k = torch.randn((batch_size, kv_heads, head_dim), generator=generator, device=device, dtype=dtype)
             v = torch.randn((batch_size, kv_heads, head_dim), generator=generator, device=device, dtype=dtype)
             contexts = torch.full((batch_size,), context, device=device)
-            plan = PagedDecode(tables, contexts, PAGE_SIZE, num_splits=choose_splits(batch_size, kv_heads, context, device))
+            plan = PagedDecode(
+                tables, contexts, PAGE_SIZE, num_splits=choose_splits(batch_size, kv_heads, context, device)
+            )
             step = StepBatch(input_ids=slots, positions=slots, slots=slots, query_lens=[1] * batch_size,
                              context_lens=[context] * batch_size, page_tables=tables, logits_indices=slots)  # fmt: skip
             gather_plan = plan_attention(step, PAGE_SIZE, device)
@@ -246,7 +258,9 @@ def kernel_bench(device: torch.device, dtype: torch.dtype, record: Callable[[str
                 paged = plan.attend(q, k, v, k_pool, v_pool, slots)
                 gathered = paged_attention(q, k, v, k_pool, v_pool, slots, gather_plan)
                 paged_ms = _timed(lambda: plan.attend(q, k, v, k_pool, v_pool, slots), device, 3 if dry_run else 50)
-                gather_ms = _timed(lambda: paged_attention(q, k, v, k_pool, v_pool, slots, gather_plan), device, 3 if dry_run else 50)
+                gather_ms = _timed(
+                    lambda: paged_attention(q, k, v, k_pool, v_pool, slots, gather_plan), device, 3 if dry_run else 50
+                )
             kv_bytes = 2 * batch_size * context * kv_heads * head_dim * k_pool.element_size()
             record(f"{name}/b{batch_size}/ctx{context}", {
                 "layout": name, "batch": batch_size, "context": context, "splits": plan.num_splits,
@@ -275,6 +289,9 @@ def run_shape(shape: str, device: torch.device, record: Callable[[str, object], 
 
     asyncio.run(engine_levels())
     for batch_size in (1, 64) if not dry_run else (1, 4):
-        record(f"anatomy_{batch_size}", step_anatomy(model, sizes, batch_size, sizes.prompt_tokens + sizes.new_tokens, 5 if dry_run else 50))
+        record(
+            f"anatomy_{batch_size}",
+            step_anatomy(model, sizes, batch_size, sizes.prompt_tokens + sizes.new_tokens, 5 if dry_run else 50),
+        )
     hf = hf_model(config, weights, dtype=torch.bfloat16, device=device)
     hf_measure(hf, sizes, config["vocab_size"], device, lambda key, value: record(f"hf_{key}", value))

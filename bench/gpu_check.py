@@ -60,11 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="where report.json, report.md and gpu-check.log go")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes and sizes: the plumbing, not the figures")
-    parser.add_argument("--wheels", type=Path, default=ROOT / ".gpu-wheels", help="carried wheels (bench/gpu_wheels.sh)")
+    parser.add_argument(
+        "--wheels", type=Path, default=ROOT / ".gpu-wheels", help="carried wheels (bench/gpu_wheels.sh)"
+    )
     parser.add_argument("--phases", default=",".join(p.name for p in PHASES), help="comma-separated subset, in order")
     parser.add_argument("--total", type=float, default=TOTAL_S, help="seconds for all phases together")
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run this one phase here
-    parser.add_argument("--work", type=Path, help="scratch folder (models, phase files, service logs); default: a new one in /tmp")
+    parser.add_argument(
+        "--work", type=Path, help="scratch folder (models, phase files, service logs); default: a new one in /tmp"
+    )
     return parser
 
 
@@ -146,10 +150,19 @@ def install_wheels(wheels: Path, log) -> dict:
 def environment(args: argparse.Namespace) -> dict:
     import torch
 
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "device": args.device, "dry_run": args.dry_run}
+    info = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "device": args.device,
+        "dry_run": args.dry_run,
+    }
     if args.device == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count}
+        info |= {
+            "gpu": props.name,
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "sms": props.multi_processor_count,
+        }
     for name in ("triton", "transformers"):
         try:
             info[name] = __import__(name).__version__
@@ -228,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     for stale in [*work.glob("phase-*.json"), work / "junit.xml"]:  # a reused --work: no figures of an earlier run
         stale.unlink(missing_ok=True)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "command": shlex.join(["python", "-m", "bench.gpu_check", *(sys.argv[1:] if argv is None else argv)]),
               "phases": {}}  # fmt: skip
 
@@ -269,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         report["seconds"] = round(time.monotonic() - started, 1)
         write()
     failed = [name for name, phase in report["phases"].items() if phase.get("status") not in ("ok", "skipped")]
-    print(f"[gpu-check] done in {report['seconds']} s; wrote {args.out}/report.md" + (f"; not ok: {failed}" if failed else ""))
+    print(
+        f"[gpu-check] done in {report['seconds']} s; wrote {args.out}/report.md"
+        + (f"; not ok: {failed}" if failed else "")
+    )
     return 1 if failed else 0
 
 

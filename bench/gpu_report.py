@@ -21,7 +21,11 @@ def _num(value, digits: int = 0) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def _phases(report: dict) -> list[str]:
@@ -35,7 +39,11 @@ def _tests(phase: dict) -> list[str]:
     failures = results.pop("_failures", {})
     rows = []
     for name, result in results.items():
-        figures = ", ".join(f"{k}={float(v):.2e}" if "err" in k else f"{k}={v}" for k, v in result.items() if k not in ("outcome", "seconds"))
+        figures = ", ".join(
+            f"{k}={float(v):.2e}" if "err" in k else f"{k}={v}"
+            for k, v in result.items()
+            if k not in ("outcome", "seconds")
+        )
         rows.append([name, result["outcome"], _num(result["seconds"], 1), figures])
     lines = ["## CUDA tests (tests/test_cuda_path.py)", "", *_table(["test", "outcome", "s", "figures"], rows)]
     for name, message in failures.items():
@@ -47,7 +55,17 @@ def _kernel(phase: dict) -> list[str]:
     rows = [[r["layout"], str(r["batch"]), str(r["context"]), str(r["splits"]), _num(r["paged_ms"], 3), _num(r["gather_sdpa_ms"], 3),
              _num(r["speedup"], 1) + "x", _num(r["paged_kv_gb_s"]), f"{r['max_abs_diff']:.2e}"]
             for r in (phase.get("results") or {}).values() if isinstance(r, dict) and "paged_ms" in r]  # fmt: skip
-    header = ["layout", "batch", "context", "splits", "paged ms", "gather+SDPA ms", "speedup", "paged KV GB/s", "max abs diff"]
+    header = [
+        "layout",
+        "batch",
+        "context",
+        "splits",
+        "paged ms",
+        "gather+SDPA ms",
+        "speedup",
+        "paged KV GB/s",
+        "max abs diff",
+    ]
     return ["## Paged decode kernel vs gather + SDPA (bfloat16, K/V write included)", "", *_table(header, rows)]
 
 
@@ -65,11 +83,27 @@ def _shape(shape: str, phase: dict) -> list[str]:
         hf = results.get(f"hf_decode_{streams}", {})
         ratio = lmq["decode_tok_s"] / hf["decode_tok_s"] if lmq.get("decode_tok_s") and hf.get("decode_tok_s") else None
         target = targets.get(streams)
-        verdict = "-" if target is None or lmq.get("decode_tok_s") is None else ("met" if lmq["decode_tok_s"] >= target else "missed")
+        verdict = (
+            "-"
+            if target is None or lmq.get("decode_tok_s") is None
+            else ("met" if lmq["decode_tok_s"] >= target else "missed")
+        )
         rows.append([str(streams), _num(lmq.get("decode_tok_s")), _num(lmq.get("step_ms_median"), 2), _num(lmq.get("run_tok_s")),
                      str(lmq.get("graph_replays")), _num(hf.get("decode_tok_s")), _num(ratio, 1),
                      f"{_num(target)} {verdict}" if target else "-"])  # fmt: skip
-    lines += _table(["streams", "lmq decode tok/s", "lmq step ms", "lmq run tok/s", "replays", "HF decode tok/s", "lmq/HF", "target"], rows)
+    lines += _table(
+        [
+            "streams",
+            "lmq decode tok/s",
+            "lmq step ms",
+            "lmq run tok/s",
+            "replays",
+            "HF decode tok/s",
+            "lmq/HF",
+            "target",
+        ],
+        rows,
+    )
     prefill, hf_prefill = results.get("lmq_prefill", {}), results.get("hf_prefill", {})
     lines += ["", f"Prefill: lmq {_num(prefill.get('long_prompt_tok_s'))} tok/s on one {prefill.get('long_prompt_tokens', '-')}-token prompt "
               f"(HF forward {_num(hf_prefill.get('long_prompt_tok_s'))}), lmq {_num(prefill.get('batch_tok_s'))} tok/s on a batch of "
@@ -96,7 +130,11 @@ def _service(report: dict) -> list[str]:
             continue
         alone = (engine.get(f"lmq_decode_{level['streams']}") or {}).get("run_tok_s")
         ratio = level["output_tok_s"] / alone if alone else None
-        verdict = "-" if ratio is None or level["streams"] != 256 else ("met" if ratio >= 1 - SERVICE_OVERHEAD_TARGET else "missed")
+        verdict = (
+            "-"
+            if ratio is None or level["streams"] != 256
+            else ("met" if ratio >= 1 - SERVICE_OVERHEAD_TARGET else "missed")
+        )
         rows.append([str(level["streams"]), _num(level["output_tok_s"]), _num(alone), _num(ratio, 2), verdict,
                      _num((level.get("ttft_median_s") or 0) * 1000), f"{level['completed']} / {level['errors']}"])  # fmt: skip
     return [f"## Whole service: Redis + {setup.get('gateways', '-')} gateways + one GPU worker ({setup.get('shape', '-')})", "",

@@ -44,7 +44,15 @@ def run(record: Callable[[str, object], None], *, device: str, dry_run: bool, wo
     gateways = 2 if dry_run else GATEWAYS
     config = hf_config(shape, 4096)
     model_dir = write_hf_dir(work / f"model-{shape}", config, random_weights(config, seed=0))
-    record("setup", {"shape": shape, "gateways": gateways, "max_tokens": 4 if dry_run else MAX_TOKENS, "prompt_tokens": PROMPT_TOKENS})
+    record(
+        "setup",
+        {
+            "shape": shape,
+            "gateways": gateways,
+            "max_tokens": 4 if dry_run else MAX_TOKENS,
+            "prompt_tokens": PROMPT_TOKENS,
+        },
+    )
     redis = EmbeddedRedis().start()
     started: list[subprocess.Popen] = []
     try:

@@ -56,7 +56,11 @@ SCHEMA = {
         "role": {"enum": ["admin", "editor", "viewer"]},
         "address": {
             "type": "object",
-            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "country": {"enum": ["FR", "DE", "US", "JP"]}},
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "country": {"enum": ["FR", "DE", "US", "JP"]},
+            },
             "required": ["street", "city", "country"],
             "additionalProperties": False,
         },
@@ -64,7 +68,11 @@ SCHEMA = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"kind": {"enum": ["cat", "dog", "fish"]}, "name": {"type": "string"}, "age": {"type": "integer"}},
+                "properties": {
+                    "kind": {"enum": ["cat", "dog", "fish"]},
+                    "name": {"type": "string"},
+                    "age": {"type": "integer"},
+                },
                 "required": ["kind", "name"],
                 "additionalProperties": False,
             },
@@ -74,14 +82,36 @@ SCHEMA = {
     "required": ["name", "age", "role", "address", "pets", "tags"],
     "additionalProperties": False,
 }
-NAMES = ["Ann", "Bob", "Chloé", "Dmitri", "Eve", "Fatima", "Gustav", "Hiro", "Ines", "Jun", "Kofi", "Lena", "Mateo", "Nia", "Omar", "Priya"]
+NAMES = [
+    "Ann",
+    "Bob",
+    "Chloé",
+    "Dmitri",
+    "Eve",
+    "Fatima",
+    "Gustav",
+    "Hiro",
+    "Ines",
+    "Jun",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nia",
+    "Omar",
+    "Priya",
+]
 OUTLINES_WHITESPACE = r"(\r?\n[\x20\x09]{0,24}|\x20)?"  # the same as worker/grammar.py's
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3, help="timed passes over the documents (after one to warm up); the median step is reported")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timed passes over the documents (after one to warm up); the median step is reported",
+    )
     parser.add_argument("--peers", type=Path, help="a folder with xgrammar and outlines_core installed (pip --target)")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # one of ENGINES, run in a process of its own
     return parser
@@ -154,8 +184,14 @@ def sampler_steps(model, docs: list[list[int]], rounds: int, timer: Timer) -> No
             timer.clear()
         for part in ("free", "constrained"):
             states = [
-                SamplingState(SamplingParams(), prompt_ids=[], generated_ids=[], vocab_size=vocab, device=torch.device("cpu"),
-                              grammar=compiler.matcher(constraint) if part == "constrained" else None)
+                SamplingState(
+                    SamplingParams(),
+                    prompt_ids=[],
+                    generated_ids=[],
+                    vocab_size=vocab,
+                    device=torch.device("cpu"),
+                    grammar=compiler.matcher(constraint) if part == "constrained" else None,
+                )
                 for _ in docs
             ]
             for step in range(steps):
@@ -175,7 +211,9 @@ def sampler_steps(model, docs: list[list[int]], rounds: int, timer: Timer) -> No
 # ------------------------------------------------------------ 2. engines side by side
 
 
-def run_engine(name: str, make: Callable[[], tuple[Callable, Callable, Callable]], docs: list[list[int]], vocab: int, rounds: int) -> Timer:
+def run_engine(
+    name: str, make: Callable[[], tuple[Callable, Callable, Callable]], docs: list[list[int]], vocab: int, rounds: int
+) -> Timer:
     """make() -> (new_matchers, fill(matchers, bitmask), consume(matchers, tokens)); times each part."""
     timer = Timer()
     new_matchers, fill, consume = make()
@@ -191,14 +229,22 @@ def run_engine(name: str, make: Callable[[], tuple[Callable, Callable, Callable]
             timer.time("fill", lambda: fill(matchers, bitmask))
             timer.time("apply", lambda: logits.add_(grammar.mask_bias(bitmask, vocab)))  # lmq's, for every engine
             tokens = [doc[step] for doc in docs]
-            assert all(torch.isfinite(logits[row, token]) for row, token in enumerate(tokens)), f"{name} masked a valid token"
+            assert all(torch.isfinite(logits[row, token]) for row, token in enumerate(tokens)), (
+                f"{name} masked a valid token"
+            )
             timer.time("consume", lambda: consume(matchers, tokens))
     return timer
 
 
 def apply_variants(vocab: int, streams: int, rounds: int) -> dict[str, str]:
     """Ways to apply a [streams, V/32] bitmask to [streams, V] float32 logits on the CPU."""
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (streams, (vocab + 31) // 32), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    bitmask = torch.randint(
+        -(2**31),
+        2**31 - 1,
+        (streams, (vocab + 31) // 32),
+        dtype=torch.int32,
+        generator=torch.Generator().manual_seed(1),
+    )
     logits = torch.randn(streams, vocab)
     shifts = torch.arange(32, dtype=torch.int32)
 
@@ -213,7 +259,9 @@ def apply_variants(vocab: int, streams: int, rounds: int) -> dict[str, str]:
     try:
         import xgrammar
 
-        variants["xgrammar.apply_token_bitmask_inplace (its CPU kernel)"] = lambda x: xgrammar.apply_token_bitmask_inplace(x, bitmask)
+        variants["xgrammar.apply_token_bitmask_inplace (its CPU kernel)"] = lambda x: (
+            xgrammar.apply_token_bitmask_inplace(x, bitmask)
+        )
     except ImportError:
         pass
     timer = Timer()
@@ -246,7 +294,9 @@ def llguidance_engine(model, vocab: int, streams: int, parallel: bool = True) ->
         def fill(matchers, bitmask):
             row_bytes = bitmask.shape[1] * 4
             if parallel:  # llguidance's thread pool (LLExecutor)
-                executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+                executor.unsafe_compute_mask_ptr(
+                    [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), row_bytes, bitmask.shape[0]
+                )
             else:  # one row after the other in the calling thread, as worker/grammar.py does
                 for row, matcher in enumerate(matchers):
                     matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
@@ -264,7 +314,12 @@ def xgrammar_engine(model, vocab: int, streams: int) -> tuple[dict, Callable]:
     import xgrammar
 
     started = time.perf_counter()
-    info = xgrammar.TokenizerInfo(token_bytes(model.tokenizer), xgrammar.VocabType.RAW, vocab_size=vocab, stop_token_ids=sorted(model.stop_token_ids))
+    info = xgrammar.TokenizerInfo(
+        token_bytes(model.tokenizer),
+        xgrammar.VocabType.RAW,
+        vocab_size=vocab,
+        stop_token_ids=sorted(model.stop_token_ids),
+    )
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
     setup = time.perf_counter() - started
     started = time.perf_counter()
@@ -361,7 +416,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     steps = min(len(doc) for doc in docs)
     print(f"# Constrained decoding overhead — {cpu_model()}, {torch.get_num_threads()} torch threads")
-    print(f"model {model.name}, vocabulary {vocab}; {args.streams} streams, {steps} steps x {args.rounds} rounds; torch {torch.__version__}\n")
+    print(
+        f"model {model.name}, vocabulary {vocab}; {args.streams} streams, {steps} steps x {args.rounds} rounds; torch {torch.__version__}\n"
+    )
 
     timer = Timer()
     sampler_steps(model, docs, args.rounds, timer)
@@ -378,7 +435,17 @@ def main(argv: list[str] | None = None) -> None:
     print("| engine | version | start-up s | schema compile s | mask fill | mask apply (lmq's) | consume | per step |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name in ENGINES:
-        command = [sys.executable, "-m", "bench.grammar_overhead", "--only", name, "--streams", str(args.streams), "--rounds", str(args.rounds)]
+        command = [
+            sys.executable,
+            "-m",
+            "bench.grammar_overhead",
+            "--only",
+            name,
+            "--streams",
+            str(args.streams),
+            "--rounds",
+            str(args.rounds),
+        ]
         if args.peers:
             command += ["--peers", str(args.peers)]
         done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])

@@ -71,7 +71,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--shared", type=int, default=0, help="leading tokens of the context every decode shares")
-    parser.add_argument("--prompt", type=int, default=36, help="a prompt chunk of this many tokens after one cached page; 0: none")
+    parser.add_argument(
+        "--prompt", type=int, default=36, help="a prompt chunk of this many tokens after one cached page; 0: none"
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
@@ -83,13 +85,18 @@ def main() -> None:
         raise SystemExit("no native step on this machine (see the log): nothing to compare")
     config = loaded.config
     shared = f" ({args.shared} shared)" if args.shared else ""
-    shapes = [(f"decode ×{b}, context {args.context}{shared}", decode_batch(b, args.context, args.shared)) for b in map(int, args.batches.split(","))]
+    shapes = [
+        (f"decode ×{b}, context {args.context}{shared}", decode_batch(b, args.context, args.shared))
+        for b in map(int, args.batches.split(","))
+    ]
     if args.prompt:
         shapes.append((f"prompt chunk of {args.prompt} after {PAGE} cached", prompt_batch(args.prompt, PAGE)))
     pages = max(int(batch.page_tables.max()) + 1 for _, batch in shapes)
     shape = (config.num_layers, pages, PAGE, config.num_kv_heads, config.head_dim)
     kv = PagedKV(k=torch.randn(shape).to(torch.bfloat16), v=torch.randn(shape).to(torch.bfloat16))
-    print(f"{cpu_model()}, {os.cpu_count()} cores, {args.threads} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"{cpu_model()}, {os.cpu_count()} cores, {args.threads} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}"
+    )
     print(f"{'step':42} {'torch ms':>9} {'native ms':>10} {'speed-up':>9} {'invariant ms':>13}")
     tiles_from = native.struct.amx_from_rows
     for label, batch in shapes:
@@ -108,10 +115,15 @@ def main() -> None:
             model(batch, kv)
             timings["invariant"].append(median_ms(model, batch, kv, args.steps))
             native.struct.amx_from_rows = tiles_from
-        torch_ms, native_ms, invariant_ms = (statistics.median(timings[path]) for path in ("torch", "native", "invariant"))
+        torch_ms, native_ms, invariant_ms = (
+            statistics.median(timings[path]) for path in ("torch", "native", "invariant")
+        )
         print(f"{label:42} {torch_ms:9.1f} {native_ms:10.1f} {torch_ms / native_ms:8.1f}× {invariant_ms:13.1f}")
         per_step = phases / (args.rounds * args.steps) * 1000
-        print("    native phases, ms per step (mean): " + ", ".join(f"{name} {ms:.2f}" for name, ms in zip(PHASES, per_step.tolist())))
+        print(
+            "    native phases, ms per step (mean): "
+            + ", ".join(f"{name} {ms:.2f}" for name, ms in zip(PHASES, per_step.tolist()))
+        )
 
 
 if __name__ == "__main__":

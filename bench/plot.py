@@ -26,7 +26,9 @@ def _axes(title: str, ylabel: str):
 
 
 def _finish(figure, axes, reports: dict[str, dict], path: Path, reference: dict[int, float] | None) -> None:
-    levels = sorted({lv["concurrency"] for report in reports.values() for lv in report["levels"]} | set(reference or {}))
+    levels = sorted(
+        {lv["concurrency"] for report in reports.values() for lv in report["levels"]} | set(reference or {})
+    )
     axes.set_xticks(levels, [str(c) for c in levels])
     axes.legend()
     figure.tight_layout()
@@ -40,7 +42,14 @@ def plot_throughput(reports: dict[str, dict], path: Path, reference: dict[int, f
     for label, report in reports.items():
         axes.plot(*_series(report, "output_tok_s"), marker="o", label=label)
     if reference:
-        axes.plot(list(reference), list(reference.values()), linestyle="--", marker="x", color="gray", label="llama.cpp reference (quoted)")
+        axes.plot(
+            list(reference),
+            list(reference.values()),
+            linestyle="--",
+            marker="x",
+            color="gray",
+            label="llama.cpp reference (quoted)",
+        )
     _finish(figure, axes, reports, path, reference)
 
 

@@ -61,20 +61,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="", help="model file or directory; empty = the default model")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-seqs", type=int, default=64, help="the worker's --max-seqs")
-    parser.add_argument("--in-flight", type=int, default=256, help="the gateway's --batch-in-flight, and the engine run's concurrency")
+    parser.add_argument(
+        "--in-flight", type=int, default=256, help="the gateway's --batch-in-flight, and the engine run's concurrency"
+    )
     parser.add_argument("--items", type=int, default=128, help="requests of the throughput job")
-    parser.add_argument("--load-items", type=int, default=1000, help="requests of the batch that loads the worker during step 4")
+    parser.add_argument(
+        "--load-items", type=int, default=1000, help="requests of the batch that loads the worker during step 4"
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="completion tokens of each batch request")
     parser.add_argument("--ttft-requests", type=int, default=16, help="interactive requests per level")
     parser.add_argument("--ttft-max-tokens", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2, help="idle and loaded TTFT levels alternate this many times; the TTFTs are pooled")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="idle and loaded TTFT levels alternate this many times; the TTFTs are pooled",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     return parser
 
 
 def question(index: int) -> list[dict[str, str]]:
     """Distinct from the first token on, so no request finds another's prompt in the prefix cache."""
-    return [{"role": "user", "content": f"{index} - Question number {index}: describe, in a few sentences, a city you would like to visit."}]
+    return [
+        {
+            "role": "user",
+            "content": f"{index} - Question number {index}: describe, in a few sentences, a city you would like to visit.",
+        }
+    ]
 
 
 def batch_line(index: int, model: str, max_tokens: int) -> dict:
@@ -126,7 +140,10 @@ def level_figures(streams: int, ttfts_ms: list[float]) -> dict:
 
 def pooled(rounds: list[list[dict]]) -> list[dict]:
     """Each level's TTFTs of every round together (rounds: [[level per streams], ...])."""
-    return [level_figures(levels[0]["streams"], [t for level in levels for t in level["ttfts_ms"]]) for levels in zip(*rounds)]
+    return [
+        level_figures(levels[0]["streams"], [t for level in levels for t in level["ttfts_ms"]])
+        for levels in zip(*rounds)
+    ]
 
 
 def engine_throughput(args: argparse.Namespace, first_index: int) -> dict:
@@ -143,7 +160,12 @@ def engine_throughput(args: argparse.Namespace, first_index: int) -> dict:
     model = compute_thread.run(load_model, args.model or None, dtype="auto", quant="auto", device="cpu")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     requests = [
-        GenRequest(f"r{i}", build_prompt_ids(model, messages=question(i), max_tokens=args.max_tokens, truncate=False), params, priority="batch")
+        GenRequest(
+            f"r{i}",
+            build_prompt_ids(model, messages=question(i), max_tokens=args.max_tokens, truncate=False),
+            params,
+            priority="batch",
+        )
         for i in range(first_index, first_index + args.items)
     ]
     tokens = 0
@@ -164,7 +186,13 @@ def engine_throughput(args: argparse.Namespace, first_index: int) -> dict:
     cpu = time.process_time()
     wall = asyncio.run(run())
     cpu = time.process_time() - cpu
-    return {"requests": args.items, "completion_tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu}
+    return {
+        "requests": args.items,
+        "completion_tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_cpu_s": tokens / cpu,
+    }
 
 
 def service_cpu_seconds(pid: int) -> float:
@@ -176,12 +204,16 @@ def service_cpu_seconds(pid: int) -> float:
 
 
 async def create_batch(sdk: openai.AsyncOpenAI, model: str, first_index: int, count: int, max_tokens: int):
-    data = "".join(json.dumps(batch_line(i, model, max_tokens)) + "\n" for i in range(first_index, first_index + count)).encode()
+    data = "".join(
+        json.dumps(batch_line(i, model, max_tokens)) + "\n" for i in range(first_index, first_index + count)
+    ).encode()
     upload = await sdk.files.create(file=("job.jsonl", io.BytesIO(data)), purpose="batch")
     return await sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
 
 
-async def batch_throughput(sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace, first_index: int, server_pid: int) -> dict:
+async def batch_throughput(
+    sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace, first_index: int, server_pid: int
+) -> dict:
     cpu, started = service_cpu_seconds(server_pid), time.perf_counter()
     batch = await create_batch(sdk, model, first_index, args.items, args.max_tokens)
     while batch.status not in ("completed", "failed", "cancelled", "expired"):
@@ -191,10 +223,18 @@ async def batch_throughput(sdk: openai.AsyncOpenAI, model: str, args: argparse.N
     if batch.status != "completed" or batch.request_counts.failed:
         raise RuntimeError(f"the throughput batch ended {batch.status}: {batch.request_counts}")
     tokens = batch.usage.output_tokens
-    return {"requests": args.items, "completion_tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu}
+    return {
+        "requests": args.items,
+        "completion_tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_cpu_s": tokens / cpu,
+    }
 
 
-async def loaded_levels(client: ChatClient, sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace, first_index: int) -> dict:
+async def loaded_levels(
+    client: ChatClient, sdk: openai.AsyncOpenAI, model: str, args: argparse.Namespace, first_index: int
+) -> dict:
     """The TTFT levels while a large batch keeps the worker full; that batch's throughput meanwhile."""
     load = await create_batch(sdk, model, first_index, args.load_items, args.max_tokens)
     while (await sdk.batches.retrieve(load.id)).request_counts.completed < 1:  # the worker is full and turning over
@@ -202,7 +242,11 @@ async def loaded_levels(client: ChatClient, sdk: openai.AsyncOpenAI, model: str,
     before, started = await sdk.batches.retrieve(load.id), time.perf_counter()
     levels = []
     for offset, streams in enumerate((1, 4)):
-        levels.append(await ttft_level(client, streams, args.ttft_requests, first_index + args.load_items + offset * 1000, args.ttft_max_tokens))
+        levels.append(
+            await ttft_level(
+                client, streams, args.ttft_requests, first_index + args.load_items + offset * 1000, args.ttft_max_tokens
+            )
+        )
     after, wall = await sdk.batches.retrieve(load.id), time.perf_counter() - started
     if after.status != "in_progress":
         raise RuntimeError(f"the load batch ran out during the measurement ({after.status}): raise --load-items")
@@ -212,7 +256,14 @@ async def loaded_levels(client: ChatClient, sdk: openai.AsyncOpenAI, model: str,
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return f"{cpu}, {os.cpu_count()} cores"
 
 
@@ -226,7 +277,12 @@ async def measure(args: argparse.Namespace, base: str, server_pid: int) -> dict:
         idle_rounds, loaded_rounds, meanwhile = [], [], []
         for round_index in range(args.rounds):  # idle, loaded, idle, loaded: the host's drift hits both alike
             first = 1_000_000 * (round_index + 1)
-            idle_rounds.append([await ttft_level(client, streams, args.ttft_requests, first + streams * 1000, args.ttft_max_tokens) for streams in (1, 4)])
+            idle_rounds.append(
+                [
+                    await ttft_level(client, streams, args.ttft_requests, first + streams * 1000, args.ttft_max_tokens)
+                    for streams in (1, 4)
+                ]
+            )
             loaded = await loaded_levels(client, sdk, client.model, args, first + 100_000)
             loaded_rounds.append(loaded["levels"])
             meanwhile.append(loaded["batch_tokens_per_s_meanwhile"])
@@ -236,7 +292,10 @@ async def measure(args: argparse.Namespace, base: str, server_pid: int) -> dict:
 
 def with_ratios(figures: dict) -> dict:
     idle, loaded, batch, engine = figures["idle"], figures["loaded"], figures["batch"], figures["engine"]
-    ratios = {f"ttft_p50_ratio_{lvl['streams']}": loaded_lvl["ttft_p50_ms"] / lvl["ttft_p50_ms"] for lvl, loaded_lvl in zip(idle, loaded["levels"])}
+    ratios = {
+        f"ttft_p50_ratio_{lvl['streams']}": loaded_lvl["ttft_p50_ms"] / lvl["ttft_p50_ms"]
+        for lvl, loaded_lvl in zip(idle, loaded["levels"])
+    }
     ratios["batch_vs_engine"] = batch["tokens_per_s"] / engine["tokens_per_s"]
     ratios["batch_vs_engine_per_cpu_s"] = batch["tokens_per_cpu_s"] / engine["tokens_per_cpu_s"]
     return figures | {"ratios": ratios}
@@ -244,9 +303,16 @@ def with_ratios(figures: dict) -> dict:
 
 def report(figures: dict, command: str) -> str:
     load = " → ".join(f"{value:.1f}" for value in figures["load_average_1min"])
-    lines = [f"model {figures['model']}; {machine()}; load average {load}; server: `{command}`", "", "| streams | TTFT p50 idle | TTFT p50 under batch load | ratio |", "|---|---|---|---|"]
+    lines = [
+        f"model {figures['model']}; {machine()}; load average {load}; server: `{command}`",
+        "",
+        "| streams | TTFT p50 idle | TTFT p50 under batch load | ratio |",
+        "|---|---|---|---|",
+    ]
     for idle, loaded in zip(figures["idle"], figures["loaded"]["levels"]):
-        lines.append(f"| {idle['streams']} | {idle['ttft_p50_ms']:.0f} ms | {loaded['ttft_p50_ms']:.0f} ms | {loaded['ttft_p50_ms'] / idle['ttft_p50_ms']:.2f} |")
+        lines.append(
+            f"| {idle['streams']} | {idle['ttft_p50_ms']:.0f} ms | {loaded['ttft_p50_ms']:.0f} ms | {loaded['ttft_p50_ms'] / idle['ttft_p50_ms']:.2f} |"
+        )
     engine, batch = figures["engine"], figures["batch"]
     ratios = figures["ratios"]
     lines += [
@@ -262,14 +328,21 @@ def report(figures: dict, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM still stops the server (it runs in a session of its own)
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # a SIGTERM still stops the server (it runs in a session of its own)
     logs = Path(tempfile.mkdtemp(prefix="lmq-bench-priority-logs-"))
     load = [os.getloadavg()[0]]
     engine = engine_throughput(args, 300_000)  # the batch job's questions, before the server takes the cores
     with lmq_serve(args, logs) as (base, command, pid):
         figures = with_ratios(asyncio.run(measure(args, base, pid)) | {"engine": engine, "max_seqs": args.max_seqs})
     load.append(os.getloadavg()[0])
-    figures |= {"load_average_1min": load, "machine": machine(), "command": "python bench/priority.py " + " ".join(argv if argv is not None else sys.argv[1:]), "server": command}
+    figures |= {
+        "load_average_1min": load,
+        "machine": machine(),
+        "command": "python bench/priority.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "server": command,
+    }
     print(report(figures, command))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

@@ -22,9 +22,7 @@ def start(command: list[str], log_path: Path, cwd: Path = ROOT) -> subprocess.Po
     """Run `command` (from the repository root by default), output to `log_path`, in its own process group."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        return subprocess.Popen(
-            command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        return subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_http_ok(url: str, watched: list[subprocess.Popen], timeout_s: float) -> None:

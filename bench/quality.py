@@ -61,7 +61,10 @@ def teacher_forced_logits(loaded: LoadedModel, prompt_ids: Sequence[int], contin
     config = loaded.config
     pages = (len(tokens) + PAGE_SIZE - 1) // PAGE_SIZE
     shape = (config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
-    kv = PagedKV(k=torch.zeros(shape, dtype=loaded.dtype, device=loaded.device), v=torch.zeros(shape, dtype=loaded.dtype, device=loaded.device))
+    kv = PagedKV(
+        k=torch.zeros(shape, dtype=loaded.dtype, device=loaded.device),
+        v=torch.zeros(shape, dtype=loaded.dtype, device=loaded.device),
+    )
     batch = StepBatch(
         input_ids=torch.tensor(tokens),
         positions=torch.arange(len(tokens)),
@@ -148,7 +151,7 @@ def cpu_model() -> str:
 
 
 def load_mode(mode: str) -> LoadedModel:
-    """"dtype/quant", or "dtype/quant/STEPS" with a --cpu-steps value (torch, invariant) where the native step would run."""
+    """ "dtype/quant", or "dtype/quant/STEPS" with a --cpu-steps value (torch, invariant) where the native step would run."""
     dtype, quant, *steps = mode.split("/")
     return load_model(dtype=dtype, quant=quant, device="cpu", cpu_steps=steps[0] if steps else "native")
 
@@ -177,7 +180,9 @@ def _noise(loaded: LoadedModel, relative: float = 0.02) -> None:
 
 def _shuffle_rows(loaded: LoadedModel) -> None:
     o_proj = loaded.model.layers[15].o_proj
-    o_proj.weight.data = o_proj.weight.data[torch.randperm(o_proj.weight.shape[0], generator=torch.Generator().manual_seed(0))]
+    o_proj.weight.data = o_proj.weight.data[
+        torch.randperm(o_proj.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    ]
 
 
 # Deliberately broken modes (--broken): how far outside tests/test_reference.py's limits real bugs land.
@@ -191,10 +196,21 @@ BROKEN = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", nargs="*", default=MODES, help="dtype/quant[/torch or /invariant] to compare with float32/none")
-    parser.add_argument("--reference", type=Path, default=None, help=f"the reference JSON (default: {REFERENCE_NAME} in shared/reference)")
+    parser.add_argument(
+        "--modes", nargs="*", default=MODES, help="dtype/quant[/torch or /invariant] to compare with float32/none"
+    )
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=None,
+        help=f"the reference JSON (default: {REFERENCE_NAME} in shared/reference)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--broken", action="store_true", help="also measure deliberately broken modes (a sanity check of the test's limits)")
+    parser.add_argument(
+        "--broken",
+        action="store_true",
+        help="also measure deliberately broken modes (a sanity check of the test's limits)",
+    )
     args = parser.parse_args(argv)
     path = args.reference or find_reference()
     if path is None:

@@ -40,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ttft-requests", type=int, default=50, help="one-at-a-time requests for first-token latency")
     parser.add_argument("--kv-memory", default="2GiB", help="stub worker's KV budget (pages are allocated as usual)")
     parser.add_argument("--logs", type=Path, default=Path("bench/results/logs"))
-    parser.add_argument("--api-key", default="", help="start the gateway with this one API key (LMQ_API_KEYS) and send it: per-key checks on the hot path")
+    parser.add_argument(
+        "--api-key",
+        default="",
+        help="start the gateway with this one API key (LMQ_API_KEYS) and send it: per-key checks on the hot path",
+    )
     parser.add_argument("--json", type=Path)
     return parser
 
@@ -82,11 +86,11 @@ async def service_first_tokens(services: StubServices, count: int) -> list[float
 
 async def engine_first_tokens(count: int) -> list[float]:
     """TTFT of the same prompts through the stub engine in this process: template, tokenize, add, first step."""
+    from bench.stub_worker import load_stub
     from protocol import SamplingParams
+    from worker.config import WorkerConfig
     from worker.engine import Engine, GenRequest
     from worker.prompt import build_prompt_ids
-    from bench.stub_worker import load_stub
-    from worker.config import WorkerConfig
 
     model = await asyncio.to_thread(load_stub, WorkerConfig())
     waiting: dict[str, asyncio.Future] = {}
@@ -137,7 +141,7 @@ async def run(args: argparse.Namespace) -> dict:
         levels = await streaming_levels(services, args)
     engine_ms, service_ms = _median_ms(engine_ttft), _median_ms(service_ttft)
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "settings": {k: str(v) for k, v in vars(args).items()},
         "ttft": {
             "requests": args.ttft_requests,

@@ -53,7 +53,9 @@ def hf_config(shape: str, max_context: int | None = None) -> dict[str, Any]:
     return config
 
 
-def random_weights(config: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def random_weights(
+    config: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """float32 tensors under HF names; the same seed and device give the same weights."""
     generator = torch.Generator(device=device).manual_seed(seed)
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
@@ -99,11 +101,15 @@ def model_config(config: dict[str, Any]) -> ModelConfig:
     return family_for_hf(config).config_from_hf(config)
 
 
-def lmq_model(config: dict[str, Any], weights: dict[str, torch.Tensor], *, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+def lmq_model(
+    config: dict[str, Any], weights: dict[str, torch.Tensor], *, dtype: torch.dtype, device: str | torch.device
+) -> LoadedModel:
     """lmq's model of these weights (no quantization), with what the engine needs beside it."""
     device = torch.device(device)
     parsed = model_config(config)
-    sources = {name: TensorSource(tuple(tensor.shape), lambda tensor=tensor: tensor) for name, tensor in weights.items()}
+    sources = {
+        name: TensorSource(tuple(tensor.shape), lambda tensor=tensor: tensor) for name, tensor in weights.items()
+    }
     model = build_model(parsed, sources, dtype, "none", device, name="random")
     return LoadedModel(
         name="random", config=parsed, model=model, tokenizer=word_tokenizer(parsed.vocab_size),
@@ -113,7 +119,9 @@ def lmq_model(config: dict[str, Any], weights: dict[str, torch.Tensor], *, dtype
     )  # fmt: skip
 
 
-def hf_model(config: dict[str, Any], weights: dict[str, torch.Tensor], *, dtype: torch.dtype, device: str | torch.device):
+def hf_model(
+    config: dict[str, Any], weights: dict[str, torch.Tensor], *, dtype: torch.dtype, device: str | torch.device
+):
     """transformers' LlamaForCausalLM holding the same weights (SDPA attention)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -128,13 +136,21 @@ def hf_model(config: dict[str, Any], weights: dict[str, torch.Tensor], *, dtype:
     return model.eval()
 
 
-def write_hf_dir(directory: pathlib.Path, config: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> pathlib.Path:
+def write_hf_dir(
+    directory: pathlib.Path,
+    config: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+) -> pathlib.Path:
     """An HF model directory `lmq worker --model` loads: config.json, model.safetensors, tokenizer files."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({name: tensor.to(dtype).contiguous().cpu() for name, tensor in weights.items()}, str(directory / "model.safetensors"))
+    save_file(
+        {name: tensor.to(dtype).contiguous().cpu() for name, tensor in weights.items()},
+        str(directory / "model.safetensors"),
+    )
     word_tokenizer(config["vocab_size"]).save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE}))
     return directory

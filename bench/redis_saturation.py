@@ -60,12 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gateways", type=int, default=2, help="N: `lmq gateway` processes")
     parser.add_argument("--workers", type=int, default=2, help="M: stub worker processes")
-    parser.add_argument("--streams", type=int_list, default=[16, 64, 256], help="concurrent streams per level, e.g. 16,64,256")
+    parser.add_argument(
+        "--streams", type=int_list, default=[16, 64, 256], help="concurrent streams per level, e.g. 16,64,256"
+    )
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens streamed per request")
-    parser.add_argument("--kv-memory", default="2GiB", help="each stub worker's KV budget (pages are allocated as usual)")
-    parser.add_argument("--level-timeout", type=float, default=300.0, help="seconds a level may take; the rest count as errors")
-    parser.add_argument("--cluster", type=int, default=0, metavar="P", help="P primaries of an embedded Redis Cluster (0: one Redis)")
+    parser.add_argument(
+        "--kv-memory", default="2GiB", help="each stub worker's KV budget (pages are allocated as usual)"
+    )
+    parser.add_argument(
+        "--level-timeout", type=float, default=300.0, help="seconds a level may take; the rest count as errors"
+    )
+    parser.add_argument(
+        "--cluster", type=int, default=0, metavar="P", help="P primaries of an embedded Redis Cluster (0: one Redis)"
+    )
     parser.add_argument("--shards", type=int, metavar="K", help="request shards on the cluster (default 2×P)")
     parser.add_argument("--logs", type=Path, default=Path("bench/results/logs"))
     parser.add_argument("--json", type=Path)
@@ -201,7 +209,9 @@ async def measured_level(services: StubServices, stats: RedisCommandStats, sprea
     cpu_s = {name: cpu_after[name] - cpu_before[name] for name in COMPONENTS}
     per_node = stats.read()
     nodes = [(after - before, commands) for before, after, commands in zip(nodes_before, nodes_after, per_node)]
-    return level_figures(summarize(streams, results, wall), cpu_s, summed(per_node), args.gateways, args.workers, busy, nodes)
+    return level_figures(
+        summarize(streams, results, wall), cpu_s, summed(per_node), args.gateways, args.workers, busy, nodes
+    )
 
 
 async def measured_levels(services: StubServices, args: argparse.Namespace) -> list[dict]:
@@ -219,7 +229,9 @@ async def measured_levels(services: StubServices, args: argparse.Namespace) -> l
             def body(max_tokens: int) -> dict:  # every request a question not sent before
                 return clients[0].chat_body([{"role": "user", "content": question(next(prompt))}], max_tokens, True)
 
-            await run_level(spread, [body(4) for _ in range(2 * len(clients))], len(clients), args.level_timeout)  # warm-up
+            await run_level(
+                spread, [body(4) for _ in range(2 * len(clients))], len(clients), args.level_timeout
+            )  # warm-up
             for streams in args.streams:
                 bodies = [body(args.max_tokens) for _ in range(streams * args.requests_per_stream)]
                 level = await measured_level(services, stats, spread, bodies, streams, args)
@@ -284,10 +296,14 @@ async def run(args: argparse.Namespace) -> dict:
     with StubServices(args.kv_memory, args.logs, args.gateways, args.workers, log_prefix="saturation",
                       cluster=args.cluster, shards=args.shards) as services:  # fmt: skip
         redis_server = services.redis_server
-        layout = {"nodes": len(services.redis_nodes), "shards": len(services.layout.shards), "cluster": bool(args.cluster)}
+        layout = {
+            "nodes": len(services.redis_nodes),
+            "shards": len(services.layout.shards),
+            "cluster": bool(args.cluster),
+        }
         levels = await measured_levels(services, args)
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cores": os.cpu_count()},
         "redis_server": redis_server,
         "redis_layout": layout,
@@ -315,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         save(report, args.json)
     return 0 if any(level["completed"] for level in report["levels"]) else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -63,10 +63,14 @@ def targets(ours: dict) -> str:
     if at16:
         goal = 2 * REFERENCE_TOK_S[16]
         met = at16["output_tok_s"] >= goal
-        lines.append(f"- 16 streams, aggregate ≥ {goal:.0f} tok/s (2× the reference): {at16['output_tok_s']:.0f} — {'met' if met else 'not met'}")
+        lines.append(
+            f"- 16 streams, aggregate ≥ {goal:.0f} tok/s (2× the reference): {at16['output_tok_s']:.0f} — {'met' if met else 'not met'}"
+        )
         ttft = at16["ttft_median_s"]
         met = ttft is not None and ttft < REFERENCE_TTFT_S[16]
-        lines.append(f"- 16 streams, median first token < {REFERENCE_TTFT_S[16] * 1000:.0f} ms: {_ms(ttft)} ms — {'met' if met else 'not met'}")
+        lines.append(
+            f"- 16 streams, median first token < {REFERENCE_TTFT_S[16] * 1000:.0f} ms: {_ms(ttft)} ms — {'met' if met else 'not met'}"
+        )
     if at1:
         ttft = at1["ttft_median_s"]
         met = ttft is not None and ttft < 0.100

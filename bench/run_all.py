@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: levels 1,4, few requests, small prefix")
     parser.add_argument("--levels", default="1,4,16")
-    parser.add_argument("--requests", type=int, default=8, help="requests per level: this many, or 2 per stream if more")
+    parser.add_argument(
+        "--requests", type=int, default=8, help="requests per level: this many, or 2 per stream if more"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each level per server; the best one counts")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prefix-tokens", type=int, default=1000, help="length of the long system prompt")
@@ -60,14 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of lmq's worker and of the peer")
     parser.add_argument("--peer-slots", type=int, default=64, help="llama.cpp parallel sequences")
     parser.add_argument("--peer-python", default=sys.executable, help="a Python with the xllamacpp wheel")
-    parser.add_argument("--peers", default="built,wheel", help="built (llama-server compiled here), wheel (xllamacpp), or both")
+    parser.add_argument(
+        "--peers", default="built,wheel", help="built (llama-server compiled here), wheel (xllamacpp), or both"
+    )
     parser.add_argument("--peer-poll", type=int, default=0, help="llama.cpp's --poll (busy-wait level of its threads)")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--skip-engine", action="store_true", help="no bench/engine.py run")
     parser.add_argument("--results", type=Path, default=ROOT / "bench/results")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
-    parser.add_argument("--plots", type=Path, default=ROOT / "docs", help="folder of bench-throughput.png and bench-ttft.png")
+    parser.add_argument(
+        "--plots", type=Path, default=ROOT / "docs", help="folder of bench-throughput.png and bench-ttft.png"
+    )
     return parser
 
 
@@ -178,7 +184,9 @@ def issue_targets(runs: dict[str, dict], prefix: dict[str, dict], peer: str) -> 
             return
         ratio = ours / theirs
         met = ratio >= goal if higher else ratio <= goal
-        lines.append(f"- {text}: {ratio:.2f}× (target {'≥' if higher else '≤'} {goal}×) — {'met' if met else 'not met'}")
+        lines.append(
+            f"- {text}: {ratio:.2f}× (target {'≥' if higher else '≤'} {goal}×) — {'met' if met else 'not met'}"
+        )
 
     def get(run: dict | None, level: int, key: str) -> float | None:
         found = _level(run, level)
@@ -187,7 +195,9 @@ def issue_targets(runs: dict[str, dict], prefix: dict[str, dict], peer: str) -> 
     ours, theirs = runs.get("lmq"), runs.get(peer)
     ratio_line("1 stream, tokens/s", get(ours, 1, "output_tok_s"), get(theirs, 1, "output_tok_s"), TARGET_TOK_S_1, True)
     ratio_line("1 stream, TTFT p50", get(ours, 1, "ttft_median_s"), get(theirs, 1, "ttft_median_s"), 1.0, False)
-    ratio_line("16 streams, tokens/s", get(ours, 16, "output_tok_s"), get(theirs, 16, "output_tok_s"), TARGET_TOK_S_16, True)
+    ratio_line(
+        "16 streams, tokens/s", get(ours, 16, "output_tok_s"), get(theirs, 16, "output_tok_s"), TARGET_TOK_S_16, True
+    )
     ratio_line("16 streams, TTFT p50", get(ours, 16, "ttft_median_s"), get(theirs, 16, "ttft_median_s"), 1.0, False)
     shared_ours, shared_theirs = prefix.get("lmq, shared"), prefix.get(f"{peer}, shared")
     ratio_line("1,000-token shared system prompt, 16 streams, tokens/s", get(shared_ours, 16, "output_tok_s"),
@@ -228,7 +238,12 @@ def render(args: argparse.Namespace, runs: dict[str, dict], prefix: dict[str, di
         parts += [report.ratio_table(ours, runs[peer], peer), ""]
     if peers:
         strongest = BUILT_PEER_LABEL if BUILT_PEER_LABEL in runs else peers[0]
-        parts += [f"Targets of issue 15, same-run ratios against {strongest}:", "", issue_targets(runs, prefix, strongest), ""]
+        parts += [
+            f"Targets of issue 15, same-run ratios against {strongest}:",
+            "",
+            issue_targets(runs, prefix, strongest),
+            "",
+        ]
     parts += [
         "![throughput](bench-throughput.png) ![first token](bench-ttft.png)",
         "",
@@ -243,7 +258,21 @@ def render(args: argparse.Namespace, runs: dict[str, dict], prefix: dict[str, di
     ]
     if overhead:
         parts += ["### The queue's own cost (stub model)", "", report.overhead_section(overhead), ""]
-    parts += ["### Commands", "", "Servers:", "", "```", *servers, "```", "", "Measurements:", "", "```", *commands, "```"]
+    parts += [
+        "### Commands",
+        "",
+        "Servers:",
+        "",
+        "```",
+        *servers,
+        "```",
+        "",
+        "Measurements:",
+        "",
+        "```",
+        *commands,
+        "```",
+    ]
     return "\n".join(parts)
 
 
@@ -257,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set() if args.skip_peer else {part.strip() for part in args.peers.split(",")}
     binary = built_server(logs) if "built" in wanted else ""
     if "built" in wanted and not binary:
-        print(f"llama-server could not be built (see {logs / 'build-llama-server.log'}): measuring without it", flush=True)
+        print(
+            f"llama-server could not be built (see {logs / 'build-llama-server.log'}): measuring without it", flush=True
+        )
     servers: list[str] = []
     with contextlib.ExitStack() as stack:
         urls = {}
@@ -275,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         alternation = Alternation(urls, args.max_tokens, args.results, rounds=args.rounds, shown=shown)
         work = workloads(args)
         runs = alternation.measure(work["main"])
-        prefix_servers = [label for label in urls if label != PEER_LABEL or not binary]  # the wheel only without a built peer
+        prefix_servers = [
+            label for label in urls if label != PEER_LABEL or not binary
+        ]  # the wheel only without a built peer
         prefix = {}
         for mode in ("shared", "unique"):
             found = alternation.measure(work[mode], only=prefix_servers)

@@ -51,17 +51,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="", help="model name; empty = the first of GET /models")
     parser.add_argument("--api-key", default="", help="bearer token, if the target wants one")
     parser.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64], help="levels, e.g. 1,4,16,64")
-    parser.add_argument("--requests", type=int, default=32, help="requests per level (at least the level's concurrency)")
+    parser.add_argument(
+        "--requests", type=int, default=32, help="requests per level (at least the level's concurrency)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests before the first level")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (body extension)")
     parser.add_argument("--prompt-tokens", type=_token_range, default=(50, 60), help="LOW-HIGH after the chat template")
-    parser.add_argument("--prompt-offset", type=int, default=0, help="index of the first question (new questions for a rerun)")
-    parser.add_argument("--shared-prefix-tokens", type=int, default=0, help="add a system prompt of about this many tokens")
+    parser.add_argument(
+        "--prompt-offset", type=int, default=0, help="index of the first question (new questions for a rerun)"
+    )
+    parser.add_argument(
+        "--shared-prefix-tokens", type=int, default=0, help="add a system prompt of about this many tokens"
+    )
     parser.add_argument("--prefix-mode", choices=["shared", "unique"], default="shared",
                         help="shared: one system prompt for all (cacheable); unique: each starts differently")  # fmt: skip
-    parser.add_argument("--level-timeout", type=float, default=600.0, help="seconds a level may take; the rest count as errors")
-    parser.add_argument("--probe-timeout", type=float, default=60.0, help="seconds GET /models or one sizing probe may take")
+    parser.add_argument(
+        "--level-timeout", type=float, default=600.0, help="seconds a level may take; the rest count as errors"
+    )
+    parser.add_argument(
+        "--probe-timeout", type=float, default=60.0, help="seconds GET /models or one sizing probe may take"
+    )
     parser.add_argument("--label", default="", help="name of this run in the JSON")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--allow-remote", action="store_true", help="allow a target that is not on this machine")
@@ -91,7 +101,9 @@ async def build_workload(client: ChatClient, args: argparse.Namespace) -> list[l
 CANCEL_GRACE_S = 5.0  # for streams cut by the level timeout to unwind; a stream that will not is left behind
 
 
-async def run_level(client: ChatClient, bodies: list[dict], concurrency: int, timeout_s: float) -> tuple[list[RequestResult], float]:
+async def run_level(
+    client: ChatClient, bodies: list[dict], concurrency: int, timeout_s: float
+) -> tuple[list[RequestResult], float]:
     """Run `bodies` from `concurrency` closed-loop streams; returns the results and the wall time.
 
     Bounded: after `timeout_s` the streams still running are cancelled and their requests counted as
@@ -143,7 +155,7 @@ async def run(args: argparse.Namespace) -> dict:
         "label": args.label,
         "url": args.url,
         "model": client.model,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
         "levels": levels,

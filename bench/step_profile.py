@@ -42,10 +42,10 @@ import torch
 from protocol import SamplingParams
 from worker import compute_thread
 from worker.batch import StepBatch
-from worker.runtime.backend import build_step_batch
 from worker.kv_cache import KVCache
 from worker.model import llama, paged_attention
 from worker.model.loader import LoadedModel, load_model
+from worker.runtime.backend import build_step_batch
 from worker.sampler import SamplingState, sample
 from worker.scheduler import Scheduled, Sequence
 
@@ -92,7 +92,9 @@ def instrumented(model: torch.nn.Module, timer: GroupTimer) -> Iterator[GroupTim
     F = torch.nn.functional
     patches = {
         (llama, "F"): _TimedFunctional({"embedding": timer.wrap("embedding", F.embedding)}),
-        (paged_attention, "F"): _TimedFunctional({"scaled_dot_product_attention": timer.wrap("SDPA", F.scaled_dot_product_attention)}),
+        (paged_attention, "F"): _TimedFunctional(
+            {"scaled_dot_product_attention": timer.wrap("SDPA", F.scaled_dot_product_attention)}
+        ),
         (llama, "plan_attention"): timer.wrap("attention plan", llama.plan_attention),
         (llama, "apply_rotary"): timer.wrap("rope", llama.apply_rotary),
     }
@@ -168,7 +170,11 @@ class DecodeStep:
         self.scheduled = []
         common = self.kv.allocate(shared_pages)
         for row in range(batch):
-            seq = Sequence(id=f"s{row}", token_ids=[(7 * row + i) % 1000 + 1 for i in range(context + 1)], num_prompt_tokens=context)
+            seq = Sequence(
+                id=f"s{row}",
+                token_ids=[(7 * row + i) % 1000 + 1 for i in range(context + 1)],
+                num_prompt_tokens=context,
+            )
             seq.pages = common + self.kv.allocate(pages_per_seq - shared_pages)
             seq.num_computed, seq.row = context, row
             self.page_table[row] = torch.tensor(seq.pages)
@@ -274,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
             label = f"{args.label + ' ' if args.label else ''}{mode}, batch {batch}"
             rows[label] = compute_thread.run(profile, step, args.steps, args.rounds)
             print(f"{label}: {rows[label][0]:.2f} ms", flush=True)
-    print(f"\n{args.clock} ms per decode step, context {args.context} (shared {args.shared}), {args.threads} threads ({' '.join(sys.argv[1:])})\n")
+    print(
+        f"\n{args.clock} ms per decode step, context {args.context} (shared {args.shared}), {args.threads} threads ({' '.join(sys.argv[1:])})\n"
+    )
     print(table(rows))
     return 0
 

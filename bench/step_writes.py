@@ -57,7 +57,9 @@ async def main(args: argparse.Namespace) -> None:
             script, multi = await measure(redis, args.requests, args.steps)
         finally:
             await redis.aclose()
-    print(f"{platform.processor() or platform.machine()}, {server.name} {server.version}, {args.requests} requests a step, median of {args.steps}:")
+    print(
+        f"{platform.processor() or platform.machine()}, {server.name} {server.version}, {args.requests} requests a step, median of {args.steps}:"
+    )
     print(f"  fenced step script {script * 1e3:.2f} ms   MULTI/EXEC {multi * 1e3:.2f} ms")
 
 

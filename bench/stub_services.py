@@ -82,7 +82,7 @@ class StubServices:
     def layout(self) -> ShardLayout:
         return shard_layout(self.redis_url)
 
-    def __enter__(self) -> "StubServices":
+    def __enter__(self) -> StubServices:
         try:
             self._start()
         except BaseException:

@@ -33,7 +33,10 @@ MEASURED_STEPS = 30
 def decode_step_ms(model: LoadedModel, rows: int, threads: int, tokens: int) -> float:
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     messages = [[{"role": "user", "content": f"{index} Tell me a story about a city."}] for index in range(rows)]
-    requests = [GenRequest(f"r{index}", build_prompt_ids(model, messages=m, max_tokens=tokens, truncate=False), params) for index, m in enumerate(messages)]
+    requests = [
+        GenRequest(f"r{index}", build_prompt_ids(model, messages=m, max_tokens=tokens, truncate=False), params)
+        for index, m in enumerate(messages)
+    ]
     stamps: list[float] = []
 
     async def run() -> None:
@@ -55,7 +58,9 @@ def main() -> None:
     parser.add_argument("--model", default="", help="model file or directory; empty = the default model")
     parser.add_argument("--rows", default="1,2,4,8,16,32")
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--tokens", type=int, default=48, help="tokens each request generates (more than the measured steps)")
+    parser.add_argument(
+        "--tokens", type=int, default=48, help="tokens each request generates (more than the measured steps)"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     model = compute_thread.run(load_model, args.model or None, dtype="auto", quant="auto", device="cpu")
@@ -67,7 +72,11 @@ def main() -> None:
         for _ in range(args.rounds):
             for threads in thread_counts:
                 figures[threads].append(decode_step_ms(model, rows, threads, args.tokens))
-        print(f"{rows:>4}  " + "  ".join(" / ".join(f"{ms:.1f}" for ms in figures[threads]).rjust(16) for threads in thread_counts), flush=True)
+        print(
+            f"{rows:>4}  "
+            + "  ".join(" / ".join(f"{ms:.1f}" for ms in figures[threads]).rjust(16) for threads in thread_counts),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -48,11 +48,14 @@ def ask_with_reply_stream(client: redis.Redis, model: str, text: str, max_tokens
     """Durable replies: the worker XADDs each event to a stream of our own; we read it from the start."""
     request_id = uuid.uuid4().hex
     reply_key = f"myapp:reply:{request_id}"
-    client.xadd(f"lmq:req:{model}", {"msg": make_request(request_id, model, {"kind": "stream", "key": reply_key}, text, max_tokens, timeout_s)})
+    client.xadd(
+        f"lmq:req:{model}",
+        {"msg": make_request(request_id, model, {"kind": "stream", "key": reply_key}, text, max_tokens, timeout_s)},
+    )
     last_id, deadline = "0-0", time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for _, entries in client.xread({reply_key: last_id}, block=1000) or []:
-            for last_id, fields in entries:
+            for last_id, fields in entries:  # noqa: B007 (last_id: where the next XREAD starts)
                 event = msgpack.unpackb(fields[b"msg"])
                 if handle(event):
                     client.delete(reply_key)
@@ -67,7 +70,10 @@ def ask_with_pubsub(client: redis.Redis, model: str, text: str, max_tokens: int,
     pubsub = client.pubsub()
     pubsub.subscribe(channel)
     pubsub.get_message(timeout=5)  # the subscription is confirmed: nothing can be missed now
-    client.xadd(f"lmq:req:{model}", {"msg": make_request(request_id, model, {"kind": "pubsub", "key": channel}, text, max_tokens, timeout_s)})
+    client.xadd(
+        f"lmq:req:{model}",
+        {"msg": make_request(request_id, model, {"kind": "pubsub", "key": channel}, text, max_tokens, timeout_s)},
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:

@@ -48,7 +48,9 @@ class AccessRecord:
     started: float
     client_id: str | None  # the client's X-Request-Id, when usable
     request_id: str | None = None
-    owner: str | None = None  # the tag of the client's verified API key (`k` + 12 hex of auth.key_digest), set by gateway/auth.py
+    owner: str | None = (
+        None  # the tag of the client's verified API key (`k` + 12 hex of auth.key_digest), set by gateway/auth.py
+    )
     protocol_id: str | None = None  # the id workers saw, when it differs from request_id
     model: str | None = None
     prompt_tokens: int | None = None
@@ -75,7 +77,6 @@ def request_id(prefix: str) -> str:
     if record is not None:
         record.request_id = new
     return new
-
 
 
 def owned_id(request_id: str) -> str:

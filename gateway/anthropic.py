@@ -36,7 +36,16 @@ from .validate import (
 
 ROLES = ("user", "assistant")
 # Hints with no effect on the answer here: accepted and ignored (docs/api.md says so).
-HINTS = {"metadata", "service_tier", "cache_control", "speed", "inference_geo", "user_profile_id", "workspace_id", "diagnostics"}
+HINTS = {
+    "metadata",
+    "service_tier",
+    "cache_control",
+    "speed",
+    "inference_geo",
+    "user_profile_id",
+    "workspace_id",
+    "diagnostics",
+}
 MESSAGES_PARAMS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
                    "min_p", "ignore_eos", "tools", "tool_choice", "thinking", "output_config", *HINTS}  # fmt: skip
 COUNT_PARAMS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", *HINTS}
@@ -73,7 +82,13 @@ def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
         elif kind == "tool_result" and role == "user":
-            results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": text_content(block.get("content"), f"{at}.content")})
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": str(block.get("tool_use_id", "")),
+                    "content": text_content(block.get("content"), f"{at}.content"),
+                }
+            )
         else:
             raise invalid(at, "only text blocks, an assistant's tool_use and a user's tool_result blocks are supported")
     text = "\n".join(texts)
@@ -85,7 +100,11 @@ def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
         raise invalid(where, "a tool_use block needs `name` and an `input` object")
-    return {"id": str(block.get("id", "")), "type": "function", "function": {"name": block["name"], "arguments": block.get("input", {})}}
+    return {
+        "id": str(block.get("id", "")),
+        "type": "function",
+        "function": {"name": block["name"], "arguments": block.get("input", {})},
+    }
 
 
 def continues_answer(messages: list[dict[str, Any]]) -> bool:
@@ -164,10 +183,23 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
         arguments = json.loads(call.arguments)
     except ValueError:  # cut off by max_tokens
         arguments = {}
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments if isinstance(arguments, dict) else {}}
+    return {
+        "type": "tool_use",
+        "id": call.id,
+        "name": call.name,
+        "input": arguments if isinstance(arguments, dict) else {},
+    }
 
 
-def message_body(message_id: str, model: str, content: list[dict[str, Any]], done: Done | None, calls: list[ToolCall], prompt_tokens: int = 0, forced: bool = False) -> dict[str, Any]:
+def message_body(
+    message_id: str,
+    model: str,
+    content: list[dict[str, Any]],
+    done: Done | None,
+    calls: list[ToolCall],
+    prompt_tokens: int = 0,
+    forced: bool = False,
+) -> dict[str, Any]:
     return {
         "id": message_id,
         "type": "message",
@@ -203,13 +235,19 @@ async def messages(request: web.Request) -> web.StreamResponse:
             [(text, _, done)] = await choices.results()
             reader = ToolCallReader(plan, "toolu_")
             content_text = reader.feed(text).text + reader.finish().text
-            content = ([{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else [])
+            content = [{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else []
             content += [tool_use_block(call) for call in reader.calls]
-            return web.json_response(message_body(request_id, model, content, done, reader.calls, forced=reader.forced_done))
+            return web.json_response(
+                message_body(request_id, model, content, done, reader.calls, forced=reader.forced_done)
+            )
         await choices.admitted(gateway.config.admission_wait)
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
-            request, lambda response: relay(response, choices, request_id, work, plan, keepalive), anthropic_error_body, gateway.metrics.errors, "error"
+            request,
+            lambda response: relay(response, choices, request_id, work, plan, keepalive),
+            anthropic_error_body,
+            gateway.metrics.errors,
+            "error",
         )
 
 
@@ -232,12 +270,20 @@ class _Blocks:
         elif text:
             await self.open_text()
             text, self._blank = self._blank + text, ""
-            await self.send({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}})
+            await self.send(
+                {"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}
+            )
         for call in piece.started:
             await self._open("tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}, new=True)
         for _, arguments in piece.arguments:
             if arguments:
-                await self.send({"type": "content_block_delta", "index": self.index, "delta": {"type": "input_json_delta", "partial_json": arguments}})
+                await self.send(
+                    {
+                        "type": "content_block_delta",
+                        "index": self.index,
+                        "delta": {"type": "input_json_delta", "partial_json": arguments},
+                    }
+                )
 
     async def close(self) -> None:
         if self.open is not None:
@@ -256,10 +302,19 @@ class _Blocks:
         await self.send({"type": "content_block_start", "index": self.index, "content_block": block})
 
 
-async def relay(response: web.StreamResponse, choices: Choices, request_id: str, work: protocol.Request, plan: ToolPlan, keepalive: float) -> None:
+async def relay(
+    response: web.StreamResponse,
+    choices: Choices,
+    request_id: str,
+    work: protocol.Request,
+    plan: ToolPlan,
+    keepalive: float,
+) -> None:
     blocks = _Blocks(response)
     reader = ToolCallReader(plan, "toolu_")
-    await blocks.send({"type": "message_start", "message": message_body(request_id, work.model, [], None, [], choices.prompt_tokens)})
+    await blocks.send(
+        {"type": "message_start", "message": message_body(request_id, work.model, [], None, [], choices.prompt_tokens)}
+    )
     await blocks.send({"type": "ping"})
     async for item in choices.events(keepalive):
         if item is None:
@@ -273,7 +328,10 @@ async def relay(response: web.StreamResponse, choices: Choices, request_id: str,
         if blocks.index < 0:  # an empty answer still has its (empty) text block
             await blocks.open_text()
         await blocks.close()
-        delta = {"stop_reason": stop_reason(event, reader.calls, reader.forced_done), "stop_sequence": event.stop_sequence}
+        delta = {
+            "stop_reason": stop_reason(event, reader.calls, reader.forced_done),
+            "stop_sequence": event.stop_sequence,
+        }
         await blocks.send({"type": "message_delta", "delta": delta, "usage": usage_body(event.usage)})
         await blocks.send({"type": "message_stop"})
 

@@ -21,10 +21,10 @@ from . import anthropic, openai, status, tokenize
 from .access_log import setup_access_log
 from .auth import auth_middleware, load_api_keys
 from .batches import add_batch_routes
+from .browser_guard import allowed_hosts, guard_middleware
 from .chat_page import add_chat_page
 from .config import GatewayConfig
 from .context import GATEWAY, Gateway
-from .browser_guard import allowed_hosts, guard_middleware
 from .cors import parse_origins, setup_cors
 from .errors import ApiError, api_of, error_response
 from .metrics import Metrics, metrics_middleware
@@ -49,7 +49,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         failure = ApiError(exc.status, _http_message(request, exc))
-    except (RedisConnectionError, RedisTimeoutError, RedisClusterException) as exc:  # the last: no node of a cluster answers
+    except (
+        RedisConnectionError,
+        RedisTimeoutError,
+        RedisClusterException,
+    ) as exc:  # the last: no node of a cluster answers
         log.warning("redis unavailable: %s", exc)
         failure = ApiError(503, "the request queue is unavailable; retry later", code="unavailable")
     except RedisError as exc:
@@ -85,7 +89,9 @@ def create_app(config: GatewayConfig) -> web.Application:
         middlewares=[
             metrics_middleware(gateway.metrics),
             error_middleware,
-            guard_middleware(allowed_hosts(config.allowed_hosts, config.host), parse_origins(config.allowed_origins)),  # before auth: a page gets refused whatever it sends
+            guard_middleware(
+                allowed_hosts(config.allowed_hosts, config.host), parse_origins(config.allowed_origins)
+            ),  # before auth: a page gets refused whatever it sends
             auth_middleware(keys),
         ],
     )

@@ -78,7 +78,9 @@ def auth_middleware(keys: frozenset[str]) -> Middleware:
         if keys and request.path not in OPEN_PATHS:
             key = presented_key(request)
             if key is None:
-                raise ApiError(401, "no API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`", code="invalid_api_key")
+                raise ApiError(
+                    401, "no API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`", code="invalid_api_key"
+                )
             if not _is_known(key, keys):
                 raise ApiError(401, "the API key is not valid", code="invalid_api_key")
             request[_OWNER] = key_digest(key)

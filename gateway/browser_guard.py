@@ -67,11 +67,26 @@ def guard_middleware(hosts: frozenset[str] | None, origins: frozenset[str] = fro
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if hosts is not None and host_name(request.headers.get("Host", "")) not in hosts:
-            raise ApiError(403, "the Host header names a host this gateway does not serve (see --allowed-hosts)", code="host_not_allowed")
+            raise ApiError(
+                403,
+                "the Host header names a host this gateway does not serve (see --allowed-hosts)",
+                code="host_not_allowed",
+            )
         if _foreign_origin(request, origins):
-            raise ApiError(403, "a page of another origin may not write here (see --allowed-origins)", code="origin_not_allowed")
-        if request.method == "POST" and request.body_exists and not request.path.startswith(MULTIPART_PATHS) and request.content_type != "application/json":
-            raise ApiError(415, f"Content-Type must be application/json, not {request.content_type!r}", code="unsupported_media_type")
+            raise ApiError(
+                403, "a page of another origin may not write here (see --allowed-origins)", code="origin_not_allowed"
+            )
+        if (
+            request.method == "POST"
+            and request.body_exists
+            and not request.path.startswith(MULTIPART_PATHS)
+            and request.content_type != "application/json"
+        ):
+            raise ApiError(
+                415,
+                f"Content-Type must be application/json, not {request.content_type!r}",
+                code="unsupported_media_type",
+            )
         return await handler(request)
 
     return guard

@@ -30,7 +30,11 @@ def choice_requests(prompts: list[protocol.Request], n: int) -> list[protocol.Re
 
     def choice(request: protocol.Request, index: int) -> protocol.Request:
         seed = request.sampling.seed
-        sampling = request.sampling if seed is None else dataclasses.replace(request.sampling, seed=(seed + index) % SEED_RANGE)
+        sampling = (
+            request.sampling
+            if seed is None
+            else dataclasses.replace(request.sampling, seed=(seed + index) % SEED_RANGE)
+        )
         return dataclasses.replace(request, id=f"{request.id}-{index}", sampling=sampling)
 
     return [choice(request, p * n + c) for p, request in enumerate(prompts) for c in range(n)]
@@ -54,14 +58,16 @@ class Choices:
         self.generations = [Generation(gateway, request, api) for request in requests]
         self._stack = contextlib.AsyncExitStack()
 
-    async def __aenter__(self) -> "Choices":
+    async def __aenter__(self) -> Choices:
         async with contextlib.AsyncExitStack() as stack:
             for generation in self.generations:
                 await stack.enter_async_context(generation)
             self._stack = stack.pop_all()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self._stack.__aexit__(exc_type, exc, tb)
 
     @property
@@ -83,7 +89,10 @@ class Choices:
                 yield None if event is None else (0, event)
             return
         queue: asyncio.Queue[tuple[int, Delta | Done] | BaseException] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._forward(index, generation, queue)) for index, generation in enumerate(self.generations)]
+        tasks = [
+            asyncio.create_task(self._forward(index, generation, queue))
+            for index, generation in enumerate(self.generations)
+        ]
         try:
             remaining = len(tasks)
             while remaining:

@@ -11,9 +11,9 @@ from protocol.keys import ShardLayout
 
 from .config import GatewayConfig
 from .metrics import Metrics
-from .workers import ModelRegistry
 from .queue import RequestQueue
 from .replies import ReplyRouter
+from .workers import ModelRegistry
 
 
 @dataclass

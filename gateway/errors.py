@@ -55,7 +55,15 @@ STATUS_CODES = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, retry_after: int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -64,7 +72,7 @@ class ApiError(Exception):
         self.retry_after = retry_after
 
     @classmethod
-    def from_worker(cls, code: str, message: str) -> "ApiError":
+    def from_worker(cls, code: str, message: str) -> ApiError:
         return cls(WORKER_ERROR_STATUS.get(code, 500), message, code=code)
 
     @property

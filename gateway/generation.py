@@ -59,7 +59,9 @@ def new_request_id(prefix: str) -> str:
     return access_log.request_id(prefix)
 
 
-def new_request(gateway: Gateway, request_id: str, model: str, sampling: protocol.SamplingParams, **prompt: Any) -> protocol.Request:
+def new_request(
+    gateway: Gateway, request_id: str, model: str, sampling: protocol.SamplingParams, **prompt: Any
+) -> protocol.Request:
     """A protocol request whose events come back to this gateway; `prompt` is messages=, prompt= or prompt_ids=.
 
     A client-chosen `request_id` becomes its owner's protocol id (access_log.owned_id). It is checked
@@ -105,12 +107,18 @@ class Generation:
         self.prompt_tokens = 0  # from the worker's `started` event
         self._tokens_relayed = 0
         self._finished = False
-        self._cancel_token = secrets.token_hex(16)  # only this gateway can cancel the request (protocol `cancel_digest`)
+        self._cancel_token = secrets.token_hex(
+            16
+        )  # only this gateway can cancel the request (protocol `cancel_digest`)
         # The request's trace: the worker continues it from the protocol's `trace` field.
-        self.span = tracer.start_span("lmq.gateway.request", attributes={"lmq.request_id": request.id, "lmq.model": request.model})
+        self.span = tracer.start_span(
+            "lmq.gateway.request", attributes={"lmq.request_id": request.id, "lmq.model": request.model}
+        )
 
-    async def __aenter__(self) -> "Generation":
-        self.request = dataclasses.replace(self.request, trace=traceparent(self.span), cancel_digest=protocol.cancel_digest(self._cancel_token))
+    async def __aenter__(self) -> Generation:
+        self.request = dataclasses.replace(
+            self.request, trace=traceparent(self.span), cancel_digest=protocol.cancel_digest(self._cancel_token)
+        )
         try:
             self._events = self.gateway.replies.open(self.request.id)
         except AlreadyOpen:
@@ -128,7 +136,9 @@ class Generation:
         self._submitted_at = time.monotonic()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         access_log.note(first_token_at=self._first_token_at, completion_tokens=self._tokens_relayed)
         rate_limits.count_tokens(self.prompt_tokens + self._tokens_relayed)  # finished or left midway
         self.gateway.replies.close(self.request.id)
@@ -250,7 +260,11 @@ class Generation:
             self.span.add_event("first_token")
             self._first_token_at = time.monotonic()
         logprobs = event.get("logprobs")
-        return Delta(text=str(event.get("text", "")), token_ids=token_ids, logprobs=logprobs if isinstance(logprobs, list) else None)
+        return Delta(
+            text=str(event.get("text", "")),
+            token_ids=token_ids,
+            logprobs=logprobs if isinstance(logprobs, list) else None,
+        )
 
     def _finish(self, event: dict[str, Any]) -> Done:
         self._finished = True
@@ -278,4 +292,6 @@ class Generation:
 
 def _lost(tokens: int) -> ApiError:
     """Never relay an answer with a hole in it (events were lost between the worker and us)."""
-    return ApiError(503, f"{tokens} tokens of the answer were lost on the way from the worker; retry", code="unavailable")
+    return ApiError(
+        503, f"{tokens} tokens of the answer were lost on the way from the worker; retry", code="unavailable"
+    )

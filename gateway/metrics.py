@@ -12,7 +12,15 @@ import time
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from redis.exceptions import RedisError
 
 from .errors import ApiError
@@ -36,7 +44,10 @@ class Metrics:
     def __init__(self) -> None:
         registry = self.registry = CollectorRegistry()
         self.http_requests = Counter(
-            "lmq_http_requests", "HTTP requests answered, by route and HTTP status", ["route", "status"], registry=registry
+            "lmq_http_requests",
+            "HTTP requests answered, by route and HTTP status",
+            ["route", "status"],
+            registry=registry,
         )
         self.requests = Counter(
             "lmq_requests",
@@ -45,11 +56,24 @@ class Metrics:
             ["model", "api", "outcome"],
             registry=registry,
         )
-        self.errors = Counter("lmq_errors", "errors answered (also those sent inside a stream), by error code", ["code"], registry=registry)
-        self.prompt_tokens = Counter("lmq_prompt_tokens", "prompt tokens of the requests that finished", ["model"], registry=registry)
-        self.generation_tokens = Counter("lmq_generation_tokens", "generated tokens relayed to clients", ["model"], registry=registry)
+        self.errors = Counter(
+            "lmq_errors",
+            "errors answered (also those sent inside a stream), by error code",
+            ["code"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "lmq_prompt_tokens", "prompt tokens of the requests that finished", ["model"], registry=registry
+        )
+        self.generation_tokens = Counter(
+            "lmq_generation_tokens", "generated tokens relayed to clients", ["model"], registry=registry
+        )
         self.time_to_first_token = Histogram(
-            "lmq_time_to_first_token_seconds", "from enqueueing a request to its first token", ["model"], buckets=TTFT_BUCKETS, registry=registry
+            "lmq_time_to_first_token_seconds",
+            "from enqueueing a request to its first token",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
         )
         self.time_per_output_token = Histogram(
             "lmq_time_per_output_token_seconds",
@@ -59,7 +83,11 @@ class Metrics:
             registry=registry,
         )
         self.e2e_request_latency = Histogram(
-            "lmq_e2e_request_latency_seconds", "from enqueueing a request to its last token (requests that finished)", ["model"], buckets=E2E_BUCKETS, registry=registry
+            "lmq_e2e_request_latency_seconds",
+            "from enqueueing a request to its last token (requests that finished)",
+            ["model"],
+            buckets=E2E_BUCKETS,
+            registry=registry,
         )
         self.queue_wait = Histogram(
             "lmq_queue_wait_seconds",
@@ -68,11 +96,15 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
-        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "alias of lmq_prompt_tokens_total", ["model_name"], registry=registry)
+        self.vllm_prompt_tokens = Counter(
+            "vllm:prompt_tokens", "alias of lmq_prompt_tokens_total", ["model_name"], registry=registry
+        )
         # vLLM's names for the same observations (label model_name), for recipes written for vLLM.
         # inter_token_latency is lmq's per-request mean; request_queue_time includes the prefill.
         self.vllm_aliases = {
-            histogram: Histogram(name, "the same observations as the lmq_ histogram", ["model_name"], buckets=buckets, registry=registry)
+            histogram: Histogram(
+                name, "the same observations as the lmq_ histogram", ["model_name"], buckets=buckets, registry=registry
+            )
             for histogram, name, buckets in (
                 (self.time_to_first_token, "vllm:time_to_first_token_seconds", TTFT_BUCKETS),
                 (self.time_per_output_token, "vllm:inter_token_latency_seconds", TPOT_BUCKETS),
@@ -80,12 +112,17 @@ class Metrics:
                 (self.queue_wait, "vllm:request_queue_time_seconds", TTFT_BUCKETS),
             )
         }
-        self.queue_depth = Gauge("lmq_queue_depth", "requests in the model's stream not yet read by a worker (read at scrape time)", ["model"], registry=registry)
+        self.queue_depth = Gauge(
+            "lmq_queue_depth",
+            "requests in the model's stream not yet read by a worker (read at scrape time)",
+            ["model"],
+            registry=registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def request(self, model: str, api: str, timed: bool = True) -> "RequestMetrics":
+    def request(self, model: str, api: str, timed: bool = True) -> RequestMetrics:
         return RequestMetrics(self, model, api, timed)
 
 

@@ -43,12 +43,40 @@ MAX_N = 16
 MAX_PROMPTS = 64  # a legacy completion's list of prompts
 MAX_CHOICES = 64  # prompts × n: each is a request in the queue
 
-SAMPLING = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias")
+SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos")  # vLLM's names, beyond OpenAI's
-IGNORED = ("user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "store")  # hints with no effect on the answer
+IGNORED = (
+    "user",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "store",
+)  # hints with no effect on the answer
 CHAT_PARAMS = {"model", "messages", "stream", "stream_options", "max_completion_tokens", "logprobs", "top_logprobs",
                "response_format", "tools", "tool_choice", "parallel_tool_calls", *SAMPLING, *EXTENSIONS, *IGNORED}  # fmt: skip
-COMPLETION_PARAMS = {"model", "prompt", "stream", "stream_options", "logprobs", "echo", "best_of", *SAMPLING, *EXTENSIONS, *IGNORED}
+COMPLETION_PARAMS = {
+    "model",
+    "prompt",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "echo",
+    "best_of",
+    *SAMPLING,
+    *EXTENSIONS,
+    *IGNORED,
+}
 
 # ---------------------------------------------------------------- request bodies
 
@@ -60,7 +88,9 @@ class Streaming:
 
 
 def parse_sampling(body: dict[str, Any], config: GatewayConfig) -> protocol.SamplingParams:
-    max_tokens = optional_int(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT) or optional_int(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
+    max_tokens = optional_int(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT) or optional_int(
+        body, "max_tokens", 1, MAX_TOKENS_LIMIT
+    )
     return sampling_params(
         {
             "max_tokens": max_tokens or config.default_max_tokens,
@@ -138,7 +168,10 @@ def _message(message: Any, where: str) -> dict[str, Any]:
         raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}")
     parsed: dict[str, Any] = {"role": role, "content": text_content(message.get("content"), f"{where}.content")}
     if role == "assistant" and message.get("tool_calls"):
-        parsed["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(_list(message["tool_calls"], f"{where}.tool_calls"))]
+        parsed["tool_calls"] = [
+            _tool_call(call, f"{where}.tool_calls[{i}]")
+            for i, call in enumerate(_list(message["tool_calls"], f"{where}.tool_calls"))
+        ]
     if role == "tool":
         parsed["tool_call_id"] = required_str(message, "tool_call_id") if "tool_call_id" in message else ""
     if isinstance(message.get("name"), str):
@@ -153,7 +186,11 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     arguments = function.get("arguments", "{}")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments)
-    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {
+        "id": str(call.get("id", "")),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
 
 
 def _list(value: Any, where: str) -> list[Any]:
@@ -183,7 +220,11 @@ def parse_prompt(body: dict[str, Any]) -> dict[str, Any]:
 def _one_prompt(prompt: Any, where: str) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in prompt)
+    ):
         return {"prompt_ids": prompt}
     raise invalid(where, "must be a string or a list of token ids, or a list of those")
 
@@ -225,7 +266,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await choices.admitted(gateway.config.admission_wait)
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
-            request, lambda response: relay_chat(response, choices, shape, plan, keepalive), openai_error_body, gateway.metrics.errors
+            request,
+            lambda response: relay_chat(response, choices, shape, plan, keepalive),
+            openai_error_body,
+            gateway.metrics.errors,
         )
 
 
@@ -246,12 +290,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with Choices(gateway, choice_requests(works, n), shape.api) as choices:
         if not streaming.enabled:
             results = await choices.results()
-            body = shape.complete([(text, logprobs, done.finish_reason) for text, logprobs, done in results], total_usage([r[2] for r in results], n))
+            body = shape.complete(
+                [(text, logprobs, done.finish_reason) for text, logprobs, done in results],
+                total_usage([r[2] for r in results], n),
+            )
             return web.json_response(body)
         await choices.admitted(gateway.config.admission_wait)
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
-            request, lambda response: relay_completion(response, choices, shape, n, keepalive), openai_error_body, gateway.metrics.errors
+            request,
+            lambda response: relay_completion(response, choices, shape, n, keepalive),
+            openai_error_body,
+            gateway.metrics.errors,
         )
 
 
@@ -265,7 +315,9 @@ async def complete_chat(choices: Choices, shape: ChatShape, plan: ToolPlan) -> d
     return shape.complete(bodies, total_usage([done for _, _, done in results], len(results)))
 
 
-async def relay_chat(response: web.StreamResponse, choices: Choices, shape: ChatShape, plan: ToolPlan, keepalive: float) -> None:
+async def relay_chat(
+    response: web.StreamResponse, choices: Choices, shape: ChatShape, plan: ToolPlan, keepalive: float
+) -> None:
     readers = [ToolCallReader(plan) for _ in choices.generations]
     dones = []
     for index in range(len(readers)):
@@ -289,7 +341,9 @@ async def relay_chat(response: web.StreamResponse, choices: Choices, shape: Chat
     await sse.send(response, "[DONE]")
 
 
-async def relay_completion(response: web.StreamResponse, choices: Choices, shape: CompletionShape, n: int, keepalive: float) -> None:
+async def relay_completion(
+    response: web.StreamResponse, choices: Choices, shape: CompletionShape, n: int, keepalive: float
+) -> None:
     offsets = [0] * len(choices.generations)
     dones: dict[int, Done] = {}
     async for item in choices.events(keepalive):

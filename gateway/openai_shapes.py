@@ -43,7 +43,14 @@ class _Shape:
         return chunk | {"usage": None} if self.include_usage else chunk
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
 
 
 class ChatShape(_Shape):
@@ -52,10 +59,17 @@ class ChatShape(_Shape):
     chunk_object = "chat.completion.chunk"
     api = "chat_completions"  # in metrics
 
-    def complete(self, choices: list[tuple[str, list[dict[str, Any]], list[ToolCall], str]], usage: Usage) -> dict[str, Any]:
+    def complete(
+        self, choices: list[tuple[str, list[dict[str, Any]], list[ToolCall], str]], usage: Usage
+    ) -> dict[str, Any]:
         """choices: (content, logprobs, tool calls, finish reason) per choice."""
         bodies = [
-            {"index": index, "message": _message(text, calls), "logprobs": self._logprobs(logprobs), "finish_reason": reason}
+            {
+                "index": index,
+                "message": _message(text, calls),
+                "logprobs": self._logprobs(logprobs),
+                "finish_reason": reason,
+            }
             for index, (text, logprobs, calls, reason) in enumerate(choices)
         ]
         return self._envelope("chat.completion", bodies) | {"usage": usage_body(usage)}
@@ -70,7 +84,12 @@ class ChatShape(_Shape):
             chunks.append(self._chunk(self._delta(index, {"content": piece.text}, None, logprobs)))
         started = {call.index for call in piece.started}
         for call in piece.started:
-            head = {"index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            head = {
+                "index": call.index,
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": ""},
+            }
             chunks.append(self._chunk(self._delta(index, {"tool_calls": [head]}, None)))
         for call_index, arguments in piece.arguments:
             if arguments or call_index not in started:
@@ -81,7 +100,9 @@ class ChatShape(_Shape):
     def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
         return self._chunk(self._delta(index, {}, finish_reason))
 
-    def _delta(self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _delta(
+        self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
 
     def _logprobs(self, logprobs: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -95,7 +116,8 @@ def _message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
     if calls:
         message["content"] = text.strip() or None
         message["tool_calls"] = [
-            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in calls
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in calls
         ]
     return message
 
@@ -115,17 +137,28 @@ class CompletionShape(_Shape):
     api = "completions"
 
     def complete(self, choices: list[tuple[str, list[dict[str, Any]], str]], usage: Usage) -> dict[str, Any]:
-        bodies = [self._choice(index, text, reason, logprobs, 0) for index, (text, logprobs, reason) in enumerate(choices)]
+        bodies = [
+            self._choice(index, text, reason, logprobs, 0) for index, (text, logprobs, reason) in enumerate(choices)
+        ]
         return self._envelope("text_completion", bodies) | {"usage": usage_body(usage)}
 
-    def text_chunk(self, index: int, text: str, logprobs: list[dict[str, Any]] | None, text_offset: int) -> dict[str, Any]:
+    def text_chunk(
+        self, index: int, text: str, logprobs: list[dict[str, Any]] | None, text_offset: int
+    ) -> dict[str, Any]:
         return self._chunk(self._choice(index, text, None, logprobs, text_offset))
 
     def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
         return self._chunk(self._choice(index, "", finish_reason, None, 0))
 
-    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: list[dict[str, Any]] | None, text_offset: int) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": self._logprobs(logprobs, text_offset), "finish_reason": finish_reason}
+    def _choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: list[dict[str, Any]] | None, text_offset: int
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self._logprobs(logprobs, text_offset),
+            "finish_reason": finish_reason,
+        }
 
     def _logprobs(self, logprobs: list[dict[str, Any]] | None, text_offset: int) -> dict[str, Any] | None:
         """The legacy columns; `text_offset` counts characters from the start of the completion."""
@@ -138,7 +171,10 @@ class CompletionShape(_Shape):
         return {
             "tokens": [entry["token"] for entry in logprobs],
             "token_logprobs": [entry["logprob"] for entry in logprobs],
-            "top_logprobs": [{alt["token"]: alt["logprob"] for alt in entry.get("top", [])[: self.top_logprobs]} for entry in logprobs],
+            "top_logprobs": [
+                {alt["token"]: alt["logprob"] for alt in entry.get("top", [])[: self.top_logprobs]}
+                for entry in logprobs
+            ],
             "text_offset": offsets,
         }
 

@@ -26,7 +26,14 @@ log = logging.getLogger(__name__)
 
 
 class RequestQueue:
-    def __init__(self, redis: aioredis.Redis, shards: ShardLayout, max_queue: int, retry_after: int, share: QueueShare | None = None):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        shards: ShardLayout,
+        max_queue: int,
+        retry_after: int,
+        share: QueueShare | None = None,
+    ):
         self.redis = redis
         self.share = share
         self._claims: dict[str, str] = {}  # request id → its key's share, until picked up or withdrawn
@@ -90,7 +97,11 @@ class RequestQueue:
     async def taken(self, request: protocol.Request, entry_id: str) -> bool:
         """Whether a worker has read the request (it is pending in the group)."""
         try:
-            return bool(await self.redis.xpending_range(self.stream_of(request), protocol.REQUEST_GROUP, min=entry_id, max=entry_id, count=1))
+            return bool(
+                await self.redis.xpending_range(
+                    self.stream_of(request), protocol.REQUEST_GROUP, min=entry_id, max=entry_id, count=1
+                )
+            )
         except RedisError as exc:
             log.warning("could not tell whether %s was taken: %s", request.id, exc)
             return False

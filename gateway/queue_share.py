@@ -95,5 +95,3 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         return await handler(request)
     finally:
         _key.reset(token)
-
-

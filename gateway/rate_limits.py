@@ -135,9 +135,13 @@ def load_limits(config: GatewayConfig) -> dict[str, Limits]:
     for key, options in key_file_options(config).items():
         unknown = set(options) - {"requests", "tokens"}
         if unknown:
-            raise ValueError(f"{config.api_keys_file}: unknown option {sorted(unknown)[0]!r} for a key (requests=, tokens=)")
+            raise ValueError(
+                f"{config.api_keys_file}: unknown option {sorted(unknown)[0]!r} for a key (requests=, tokens=)"
+            )
         try:
-            limits[key] = Limits(int(options.get("requests", default.requests)), int(options.get("tokens", default.tokens)))
+            limits[key] = Limits(
+                int(options.get("requests", default.requests)), int(options.get("tokens", default.tokens))
+            )
         except ValueError:
             raise ValueError(f"{config.api_keys_file}: requests= and tokens= take whole numbers") from None
     return {"": default, **limits}
@@ -205,7 +209,12 @@ def _middleware(limiter: RateLimiter):
     async def limit(request: web.Request, handler: Handler) -> web.StreamResponse:
         key = presented_key(request)
         limits = limiter.limits_for(key)
-        if not limits or request.method != "POST" or not request.path.startswith("/v1/") or request.path.startswith(EXEMPT):
+        if (
+            not limits
+            or request.method != "POST"
+            or not request.path.startswith("/v1/")
+            or request.path.startswith(EXEMPT)
+        ):
             return await handler(request)
         assert key is not None
         window = await limiter.admit(key, limits)
@@ -243,11 +252,19 @@ def headers(api: str, window: Window) -> dict[str, str]:
             continue
         remaining = str(max(0, limit - used))
         if api == "anthropic":
-            reset = datetime.datetime.fromtimestamp(time.time() + reset_ms / 1000, datetime.timezone.utc)
+            reset = datetime.datetime.fromtimestamp(time.time() + reset_ms / 1000, datetime.UTC)
             prefix = f"anthropic-ratelimit-{kind}"
-            result |= {f"{prefix}-limit": str(limit), f"{prefix}-remaining": remaining, f"{prefix}-reset": reset.isoformat(timespec="seconds").replace("+00:00", "Z")}
+            result |= {
+                f"{prefix}-limit": str(limit),
+                f"{prefix}-remaining": remaining,
+                f"{prefix}-reset": reset.isoformat(timespec="seconds").replace("+00:00", "Z"),
+            }
         else:
-            result |= {f"x-ratelimit-limit-{kind}": str(limit), f"x-ratelimit-remaining-{kind}": remaining, f"x-ratelimit-reset-{kind}": duration(reset_ms)}
+            result |= {
+                f"x-ratelimit-limit-{kind}": str(limit),
+                f"x-ratelimit-remaining-{kind}": remaining,
+                f"x-ratelimit-reset-{kind}": duration(reset_ms),
+            }
     if window.refused:
         result["retry-after"] = str(window.retry_after)
     return result

@@ -107,12 +107,19 @@ class ReplyRouter:
 
     def _fail_open_requests(self) -> None:
         for request_id, queue in self._queues.items():
-            message = "the connection to the request queue broke while the request ran; part of its answer may be lost: retry"
+            message = (
+                "the connection to the request queue broke while the request ran; part of its answer may be lost: retry"
+            )
             queue.put_nowait(protocol.error_event(request_id, -1, LOST, message))
 
     def _route(self, data: bytes) -> None:
         if len(data) > protocol.MAX_MESSAGE_BYTES:  # a worker that predates the split of a step's message
-            log.warning("a reply on %s is %d bytes, over the %d that workers keep to; routed all the same", self.channel, len(data), protocol.MAX_MESSAGE_BYTES)
+            log.warning(
+                "a reply on %s is %d bytes, over the %d that workers keep to; routed all the same",
+                self.channel,
+                len(data),
+                protocol.MAX_MESSAGE_BYTES,
+            )
         try:
             events = protocol.decode_event_batch(data, OLD_WORKER_BATCH_BYTES)
         except protocol.ProtocolError as exc:
@@ -133,5 +140,7 @@ class ReplyRouter:
         log.warning("request %s: its client left %d events unread; the request is ended", request_id, queue.qsize())
         while not queue.empty():
             queue.get_nowait()
-        queue.put_nowait(protocol.error_event(request_id, -1, LOST, "the client read its answer too slowly; the request was ended"))
+        queue.put_nowait(
+            protocol.error_event(request_id, -1, LOST, "the client read its answer too slowly; the request was ended")
+        )
         self.close(request_id)

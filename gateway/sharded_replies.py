@@ -88,7 +88,9 @@ class ShardedReplyRouter(ReplyRouter):
         while True:
             try:
                 await self._read_until_broken()
-            except Exception as exc:  # whatever broke a subscription (redis-py's own errors included), the reader goes on
+            except (
+                Exception
+            ) as exc:  # whatever broke a subscription (redis-py's own errors included), the reader goes on
                 log.warning("reply subscription lost (%r); subscribing again", exc)
             self.listening = False
             self._fail_open_requests()
@@ -122,5 +124,8 @@ class ShardedReplyRouter(ReplyRouter):
                 continue
             if message["type"] == "smessage":
                 self._route(message["data"])
-            elif message["type"] in ("sunsubscribe", "ssubscribe"):  # a slot moved, or redis-py re-subscribed after a reconnect
+            elif message["type"] in (
+                "sunsubscribe",
+                "ssubscribe",
+            ):  # a slot moved, or redis-py re-subscribed after a reconnect
                 raise SubscriptionBroken(f"{message['type']} on {message['channel']!r}")

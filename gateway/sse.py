@@ -15,7 +15,6 @@ from prometheus_client import Counter
 from .context import gateway_of
 from .errors import ApiError
 
-
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +36,13 @@ class TimedStream(web.StreamResponse):
             async with asyncio.timeout(self.write_timeout):
                 await super().write(data)
         except TimeoutError:
-            log.warning("cut %s %s from %s: the client read nothing for %g s", self._request.method, self._request.path, self._request.remote, self.write_timeout)
+            log.warning(
+                "cut %s %s from %s: the client read nothing for %g s",
+                self._request.method,
+                self._request.path,
+                self._request.remote,
+                self.write_timeout,
+            )
             if self._request.transport is not None:
                 self._request.transport.abort()
             raise ConnectionResetError("the client stopped reading") from None
@@ -51,7 +56,7 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",  # tell proxies (nginx) not to hold events back
-        }
+        },
     )
     await response.prepare(request)
     return response

@@ -24,7 +24,14 @@ async def list_models(request: web.Request) -> web.Response:
     names = sorted(await gateway_of(request).models.served(fresh=True))
     if _wants_anthropic_shape(request):
         data = [_anthropic_model(name) for name in names]
-        return web.json_response({"data": data, "has_more": False, "first_id": names[0] if names else None, "last_id": names[-1] if names else None})
+        return web.json_response(
+            {
+                "data": data,
+                "has_more": False,
+                "first_id": names[0] if names else None,
+                "last_id": names[-1] if names else None,
+            }
+        )
     return web.json_response({"object": "list", "data": [_openai_model(name) for name in names]})
 
 
@@ -44,7 +51,9 @@ async def ready(request: web.Request) -> web.Response:
     gateway turns ready as soon as its first worker beats; concurrent re-reads are one)."""
     gateway = gateway_of(request)
     if not gateway.replies.listening:
-        return web.json_response({"status": "unavailable", "reason": "the reply subscription is reconnecting"}, status=503)
+        return web.json_response(
+            {"status": "unavailable", "reason": "the reply subscription is reconnecting"}, status=503
+        )
     try:
         models = sorted(await gateway.models.served() or await gateway.models.served(fresh=True))
     except RedisError as exc:

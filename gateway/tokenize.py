@@ -20,7 +20,17 @@ from .generation import Done, Generation, new_request, new_request_id
 from .openai import parse_messages
 from .validate import invalid, optional_bool, read_json_object, refuse_unknown
 
-TOKENIZE_PARAMS = {"model", "prompt", "content", "messages", "add_special_tokens", "add_special", "add_generation_prompt", "return_token_strs", "with_pieces"}
+TOKENIZE_PARAMS = {
+    "model",
+    "prompt",
+    "content",
+    "messages",
+    "add_special_tokens",
+    "add_special",
+    "add_generation_prompt",
+    "return_token_strs",
+    "with_pieces",
+}
 DETOKENIZE_PARAMS = {"model", "tokens"}
 
 
@@ -30,7 +40,12 @@ async def tokenize(request: web.Request) -> web.Response:
     refuse_unknown(body, TOKENIZE_PARAMS)
     done = await _ask(gateway, await _model(gateway, body), _tokenize_input(body), "tokenize")
     ids, pieces = done.extra.get("prompt_ids", []), done.extra.get("pieces", [])
-    answer: dict[str, Any] = {"count": len(ids), "max_model_len": done.extra.get("max_context"), "tokens": ids, "token_strs": None}
+    answer: dict[str, Any] = {
+        "count": len(ids),
+        "max_model_len": done.extra.get("max_context"),
+        "tokens": ids,
+        "token_strs": None,
+    }
     if optional_bool(body, "return_token_strs"):
         answer["token_strs"] = pieces
     if optional_bool(body, "with_pieces"):
@@ -43,7 +58,9 @@ async def detokenize(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     refuse_unknown(body, DETOKENIZE_PARAMS)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
         raise invalid("tokens", "must be a list of token ids")
     done = await _ask(gateway, await _model(gateway, body), {"prompt_ids": tokens}, "detokenize")
     text = done.extra.get("text", "")
@@ -53,7 +70,9 @@ async def detokenize(request: web.Request) -> web.Response:
 def _tokenize_input(body: dict[str, Any]) -> dict[str, Any]:
     for name in ("add_special_tokens", "add_special", "add_generation_prompt"):
         if optional_bool(body, name) is False:
-            raise invalid(name, "only true is supported (text gets the model's special tokens, messages a generation prompt)")
+            raise invalid(
+                name, "only true is supported (text gets the model's special tokens, messages a generation prompt)"
+            )
     if body.get("messages") is not None:
         return {"messages": parse_messages(body)}
     text = body.get("prompt", body.get("content"))
@@ -76,7 +95,9 @@ async def _model(gateway: Gateway, body: dict[str, Any]) -> str:
 
 
 async def _ask(gateway: Gateway, model: str, prompt: dict[str, Any], task: str) -> Done:
-    work = new_request(gateway, new_request_id(f"{task}-"), model, protocol.SamplingParams(max_tokens=1), task=task, **prompt)
+    work = new_request(
+        gateway, new_request_id(f"{task}-"), model, protocol.SamplingParams(max_tokens=1), task=task, **prompt
+    )
     async with Generation(gateway, work, task, timed=False) as generation:
         _, done = await generation.result()
     return done

@@ -65,7 +65,11 @@ def openai_plan(body: dict[str, Any]) -> ToolPlan:
         return ToolPlan(choice or "auto", tools if choice != "none" else None, parallel=parallel)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         return _named(tools, choice["function"].get("name"), "tool_choice.function.name", parallel)
-    raise ApiError(400, 'tool_choice: must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', param="tool_choice")
+    raise ApiError(
+        400,
+        'tool_choice: must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
 
 
 def anthropic_plan(body: dict[str, Any]) -> ToolPlan:
@@ -99,16 +103,35 @@ def _openai_tools(tools: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict):
-            raise ApiError(400, f'tools[{i}]: must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}', param=f"tools[{i}]")
-        checked.append({"type": "function", "function": _function(function.get("name"), function.get("description"), function.get("parameters"), f"tools[{i}].function")})
+            raise ApiError(
+                400,
+                f'tools[{i}]: must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}',
+                param=f"tools[{i}]",
+            )
+        checked.append(
+            {
+                "type": "function",
+                "function": _function(
+                    function.get("name"),
+                    function.get("description"),
+                    function.get("parameters"),
+                    f"tools[{i}].function",
+                ),
+            }
+        )
     return checked
 
 
 def _anthropic_tool(tool: Any, index: int) -> dict[str, Any]:
     where = f"tools.{index}"
     if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-        raise ApiError(400, f"{where}: only custom tools ({{name, description, input_schema}}) are supported", param=where)
-    return {"type": "function", "function": _function(tool.get("name"), tool.get("description"), tool.get("input_schema"), where)}
+        raise ApiError(
+            400, f"{where}: only custom tools ({{name, description, input_schema}}) are supported", param=where
+        )
+    return {
+        "type": "function",
+        "function": _function(tool.get("name"), tool.get("description"), tool.get("input_schema"), where),
+    }
 
 
 def _function(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
@@ -213,7 +236,9 @@ class ToolCallReader:
                 return piece
             piece.text += self._pending[:start]
             body = self._pending[start + len(OPEN) : end]
-            self._pending = self._pending[end + len(CLOSE) :].lstrip("\n") if not final else self._pending[end + len(CLOSE) :]
+            self._pending = (
+                self._pending[end + len(CLOSE) :].lstrip("\n") if not final else self._pending[end + len(CLOSE) :]
+            )
             call = self._parse(body)
             if call is _REPEAT:
                 continue  # a forced call repeated verbatim: the grammar let the model run on
@@ -232,9 +257,13 @@ class ToolCallReader:
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             return None
         arguments = data.get("arguments", data.get("parameters", {}))
-        if self.plan.mode == "required" and any(c.name == data["name"] and json.loads(c.arguments) == arguments for c in self.calls):
+        if self.plan.mode == "required" and any(
+            c.name == data["name"] and json.loads(c.arguments) == arguments for c in self.calls
+        ):
             return _REPEAT
-        call = ToolCall(len(self.calls), new_call_id(self.id_prefix), data["name"], json.dumps(arguments, ensure_ascii=False))
+        call = ToolCall(
+            len(self.calls), new_call_id(self.id_prefix), data["name"], json.dumps(arguments, ensure_ascii=False)
+        )
         self.calls.append(call)
         return call
 

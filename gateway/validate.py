@@ -128,7 +128,7 @@ def text_content(value: Any, name: str) -> str:
     texts = []
     for i, part in enumerate(value):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise invalid(f"{name}[{i}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            raise invalid(f"{name}[{i}]", 'only text parts ({"type": "text", "text": ...}) are supported')
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -137,7 +137,11 @@ def refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
     """A parameter lmq does not implement is refused by name, never silently ignored."""
     unknown = sorted(name for name in body if name not in known)
     if unknown:
-        raise invalid(unknown[0], f"lmq does not support the parameter {unknown[0]!r}" + (f" (nor {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""))
+        raise invalid(
+            unknown[0],
+            f"lmq does not support the parameter {unknown[0]!r}"
+            + (f" (nor {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""),
+        )
 
 
 def sampling_params(fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> protocol.SamplingParams:

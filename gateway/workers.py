@@ -62,8 +62,15 @@ class ModelRegistry:
             return model
         if await self.redis.exists(self.home.request_stream(model)):
             raise ApiError(
-                503, f"no worker serves {model!r} right now; retry shortly", code="no_worker", retry_after=RETRY_AFTER_NO_WORKER_S
+                503,
+                f"no worker serves {model!r} right now; retry shortly",
+                code="no_worker",
+                retry_after=RETRY_AFTER_NO_WORKER_S,
             )
         served = ", ".join(sorted(self._served)) or "none"
-        raise ApiError(404, f"the model {model!r} does not exist or no worker serves it (served: {served})", param="model", code="model_not_found")
-
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist or no worker serves it (served: {served})",
+            param="model",
+            code="model_not_found",
+        )

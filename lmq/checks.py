@@ -34,9 +34,11 @@ def check_gateway(config: GatewayConfig) -> None:
     at_least(config, "batch_max_bytes", 1)
     at_least(config, "batch_in_flight", 1)
     if not config.batch_window_seconds > 0:
-        raise ValueError(f"{setting_name(GatewayConfig, 'batch_window_seconds')} must be more than 0, not {config.batch_window_seconds!r}")
+        raise ValueError(
+            f"{setting_name(GatewayConfig, 'batch_window_seconds')} must be more than 0, not {config.batch_window_seconds!r}"
+        )
     try:
-        config.sampling_default_fields
+        _ = config.sampling_default_fields  # the property validates
     except ValueError as exc:
         raise ValueError(f"{setting_name(GatewayConfig, 'sampling_defaults')}: {exc}") from None
     if config.api_keys_file and not os.access(config.api_keys_file, os.R_OK):
@@ -45,6 +47,7 @@ def check_gateway(config: GatewayConfig) -> None:
 
 def check_worker(config: WorkerConfig) -> None:
     """Refuse settings that cannot work before the model loads (ValueError naming the setting)."""
+
     def name(field_name: str) -> str:
         return setting_name(WorkerConfig, field_name)
 
@@ -54,7 +57,9 @@ def check_worker(config: WorkerConfig) -> None:
     if config.model and not os.path.exists(config.model):
         raise ValueError(f"{name('model')}: no such file or directory: {config.model}")
     if config.model and os.path.isdir(config.model) and not os.path.isfile(os.path.join(config.model, "config.json")):
-        raise ValueError(f"{name('model')}: {config.model} is a directory without config.json (a Hugging Face model directory has it)")
+        raise ValueError(
+            f"{name('model')}: {config.model} is a directory without config.json (a Hugging Face model directory has it)"
+        )
     if config.dtype not in DTYPES:
         raise ValueError(f"{name('dtype')} must be one of {', '.join(DTYPES)}, not {config.dtype!r}")
     if config.quant not in QUANTS:
@@ -64,7 +69,9 @@ def check_worker(config: WorkerConfig) -> None:
     try:
         kv_bytes = parse_kv_memory(config.kv_memory)
     except ValueError:
-        raise ValueError(f"{name('kv_memory')} must be a size such as 512MiB or 4GiB, or auto, not {config.kv_memory!r}") from None
+        raise ValueError(
+            f"{name('kv_memory')} must be a size such as 512MiB or 4GiB, or auto, not {config.kv_memory!r}"
+        ) from None
     if kv_bytes == 0:
         raise ValueError(f"{name('kv_memory')} must be more than 0")
     for field_name in ("page_size", "max_seqs", "step_tokens", "claim_idle_ms", "max_attempts"):

@@ -31,11 +31,23 @@ _GLOBAL = {"log_level": "LMQ_LOG_LEVEL", "log_format": "LMQ_LOG_FORMAT"}
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmq", description="Chat-model inference behind a Redis message queue.")
     # Their own dest: a subcommand's flags of the same name would overwrite these with None.
-    parser.add_argument("--log-level", dest="global_log_level", metavar="LOG_LEVEL", help="DEBUG, INFO, WARNING, ERROR [env LMQ_LOG_LEVEL]")
-    parser.add_argument("--log-format", dest="global_log_format", metavar="LOG_FORMAT", help="text, or json: one JSON object a line [env LMQ_LOG_FORMAT]")
+    parser.add_argument(
+        "--log-level",
+        dest="global_log_level",
+        metavar="LOG_LEVEL",
+        help="DEBUG, INFO, WARNING, ERROR [env LMQ_LOG_LEVEL]",
+    )
+    parser.add_argument(
+        "--log-format",
+        dest="global_log_format",
+        metavar="LOG_FORMAT",
+        help="text, or json: one JSON object a line [env LMQ_LOG_FORMAT]",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="all in one: embedded Redis (unless REDIS_URL is set), one worker, one gateway")
+    serve = commands.add_parser(
+        "serve", help="all in one: embedded Redis (unless REDIS_URL is set), one worker, one gateway"
+    )
     add_flags(serve, GatewayConfig)
     add_flags(serve, WorkerConfig)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TextIO
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -42,14 +42,19 @@ def check_format(text: str) -> str:
 
 
 def _timestamp(created: float) -> str:
-    return datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object a line: time (UTC), level, logger, message, every `extra` field, exception."""
 
     def format(self, record: logging.LogRecord) -> str:
-        data = {"time": _timestamp(record.created), "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        data = {
+            "time": _timestamp(record.created),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         for key, value in vars(record).items():
             if key not in _STANDARD and not key.startswith("_") and key not in data:
                 data[key] = value
@@ -81,7 +86,9 @@ def fatal(message: str, stream: TextIO | None = None) -> None:
     message = " ".join(message.split())  # one line, whatever the exception's text held
     stream = stream or sys.stderr
     if _format == "json":
-        line = json.dumps({"time": _timestamp(datetime.now().timestamp()), "level": "ERROR", "logger": "lmq", "message": message})
+        line = json.dumps(
+            {"time": _timestamp(datetime.now().timestamp()), "level": "ERROR", "logger": "lmq", "message": message}
+        )
     else:
         line = f"lmq: error: {message}"
     print(line, file=stream, flush=True)

@@ -53,7 +53,16 @@ def cli_slot_ranges(primaries: int) -> list[tuple[int, int]]:
 class ClusterNode(EmbeddedRedis):
     """One primary of an `EmbeddedCluster`: an EmbeddedRedis on a TCP port with cluster mode on."""
 
-    def __init__(self, data_dir: Path, port: int, bus_port: int, *, server: str, node_timeout_ms: int, tls: ServerTls | None = None):
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int,
+        bus_port: int,
+        *,
+        server: str,
+        node_timeout_ms: int,
+        tls: ServerTls | None = None,
+    ):
         super().__init__(data_dir, port, server=server, tls=tls)
         self.bus_port = bus_port
         self.node_timeout_ms = node_timeout_ms
@@ -71,7 +80,9 @@ class ClusterNode(EmbeddedRedis):
 
     def client(self, **options) -> redis.Redis:
         """A plain (non-cluster) client of this node alone: it sees only the keys this node holds."""
-        return redis.Redis(host="127.0.0.1", port=self.port, **(self.tls.client_kwargs() if self.tls else {}), **options)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, **(self.tls.client_kwargs() if self.tls else {}), **options
+        )
 
 
 class EmbeddedCluster:
@@ -97,7 +108,14 @@ class EmbeddedCluster:
         self.server = server or find_redis_server("valkey")
         self.slot_ranges = cli_slot_ranges(primaries)
         self.nodes = [
-            ClusterNode(self.root / f"node-{index}", free_tcp_port(), free_tcp_port(), server=self.server, node_timeout_ms=node_timeout_ms, tls=tls)
+            ClusterNode(
+                self.root / f"node-{index}",
+                free_tcp_port(),
+                free_tcp_port(),
+                server=self.server,
+                node_timeout_ms=node_timeout_ms,
+                tls=tls,
+            )
             for index in range(primaries)
         ]
 
@@ -114,7 +132,7 @@ class EmbeddedCluster:
 
     # ------------------------------------------------------------ start and stop
 
-    def start(self, timeout: float = 30.0) -> "EmbeddedCluster":
+    def start(self, timeout: float = 30.0) -> EmbeddedCluster:
         try:
             for node in self.nodes:
                 node.start()
@@ -138,10 +156,18 @@ class EmbeddedCluster:
         try:
             with node.client(socket_timeout=2, socket_connect_timeout=2, decode_responses=True) as client:
                 info = client.cluster("info")
-                links = [line.split()[7] for line in client.execute_command("CLUSTER", "NODES").splitlines() if "myself" not in line]
+                links = [
+                    line.split()[7]
+                    for line in client.execute_command("CLUSTER", "NODES").splitlines()
+                    if "myself" not in line
+                ]
         except redis.RedisError as exc:
             return f"node {index} (port {node.port}) does not answer: {exc!r}"
-        wanted = {"cluster_state": "ok", "cluster_slots_ok": str(REDIS_CLUSTER_HASH_SLOTS), "cluster_known_nodes": str(len(self.nodes))}
+        wanted = {
+            "cluster_state": "ok",
+            "cluster_slots_ok": str(REDIS_CLUSTER_HASH_SLOTS),
+            "cluster_known_nodes": str(len(self.nodes)),
+        }
         wrong = {name: info.get(name) for name, value in wanted.items() if str(info.get(name)) != value}
         if links.count("connected") != len(self.nodes) - 1:  # a PUBLISH reaches only the nodes whose bus link is up
             wrong["bus links connected"] = links.count("connected")
@@ -155,7 +181,9 @@ class EmbeddedCluster:
             if not problems:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the cluster is not ok after {timeout:g} s: {'; '.join(problems)}\n{self.log_tails()}")
+                raise RuntimeError(
+                    f"the cluster is not ok after {timeout:g} s: {'; '.join(problems)}\n{self.log_tails()}"
+                )
             time.sleep(0.05)
 
     def kill(self, index: int) -> None:
@@ -173,7 +201,7 @@ class EmbeddedCluster:
         if self._own_dir:
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "EmbeddedCluster":
+    def __enter__(self) -> EmbeddedCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -59,7 +59,12 @@ class ServerTls:
 
     def client_kwargs(self) -> dict:
         """redis-py's options for a client of such a server."""
-        return {"ssl": True, "ssl_ca_certs": str(self.ca), "ssl_certfile": str(self.client_cert), "ssl_keyfile": str(self.client_key)}
+        return {
+            "ssl": True,
+            "ssl_ca_certs": str(self.ca),
+            "ssl_certfile": str(self.client_cert),
+            "ssl_keyfile": str(self.client_key),
+        }
 
     def url_query(self) -> str:
         """The same as `?ssl_ca_certs=...&ssl_certfile=...&ssl_keyfile=...` options of a URL."""
@@ -164,7 +169,7 @@ class EmbeddedRedis:
             return f"redis://127.0.0.1:{self.port}/0"
         return f"unix://{self.socket_path}?db=0"
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port and _answers(self.socket_path):
             # A second server would take the path over, and delete it when it stops.
@@ -238,7 +243,7 @@ class EmbeddedRedis:
         """SIGKILL, as a crash: nothing is saved beyond what the append-only file already has."""
         self._end(signal.SIGKILL)
 
-    def restart(self, timeout: float = 10.0) -> "EmbeddedRedis":
+    def restart(self, timeout: float = 10.0) -> EmbeddedRedis:
         """A clean shutdown (SIGTERM), then start again on the same directory, socket and port."""
         self._end(signal.SIGTERM)
         return self.start(timeout)
@@ -248,7 +253,7 @@ class EmbeddedRedis:
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

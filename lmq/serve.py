@@ -62,7 +62,9 @@ def explain(exc: BaseException) -> str | None:
     if isinstance(exc, FatalError):
         return str(exc)
     if isinstance(exc, redis_errors.NoPermissionError):
-        return f"the Redis user in REDIS_URL lacks a permission lmq needs ({exc}); docs/deploy.md has the ACL to give it"
+        return (
+            f"the Redis user in REDIS_URL lacks a permission lmq needs ({exc}); docs/deploy.md has the ACL to give it"
+        )
     if isinstance(exc, redis_errors.AuthenticationError):
         return f"Redis refused the login in REDIS_URL: {exc}"
     if isinstance(exc, (redis_errors.ConnectionError, redis_errors.TimeoutError)):
@@ -102,12 +104,16 @@ def check_redis(url: str, channels: tuple[str, ...] = (), timeout: float = REDIS
             _check_subscribe(client, channels, timeout)
     except redis_errors.AuthenticationError as exc:
         if _login_options(client).get("password") is None:
-            raise FatalError(f"Redis at {where} needs a password and REDIS_URL has none (redis://:PASSWORD@host:port/0)") from exc
+            raise FatalError(
+                f"Redis at {where} needs a password and REDIS_URL has none (redis://:PASSWORD@host:port/0)"
+            ) from exc
         raise FatalError(f"Redis at {where} refused the login in REDIS_URL: {_message(exc)}") from exc
     except redis_errors.AuthenticationWrongNumberOfArgsError as exc:
         raise FatalError(f"REDIS_URL has a password but Redis at {where} has none: {_message(exc)}") from exc
     except redis_errors.NoPermissionError as exc:
-        raise FatalError(f"the Redis user in REDIS_URL lacks a permission lmq needs at {where}: {_message(exc)} (docs/deploy.md has the ACL to give it)") from exc
+        raise FatalError(
+            f"the Redis user in REDIS_URL lacks a permission lmq needs at {where}: {_message(exc)} (docs/deploy.md has the ACL to give it)"
+        ) from exc
     except MasterNotFoundError as exc:
         raise FatalError(f"cannot reach Redis at {where}: {_no_primary(url)}") from exc
     except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
@@ -144,7 +150,9 @@ def _sentinel_refusal(address) -> str:
     tls = address.tls.client_kwargs() if address.tls else {}
     timeouts = {"socket_timeout": SENTINEL_SOCKET_TIMEOUT_S, "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT_S}
     for host, port in address.sentinels:
-        client = redis.Redis(host, port, username=address.sentinel_username, password=address.sentinel_password, **tls, **timeouts)
+        client = redis.Redis(
+            host, port, username=address.sentinel_username, password=address.sentinel_password, **tls, **timeouts
+        )
         try:
             client.ping()
         except redis.RedisError as exc:
@@ -208,10 +216,21 @@ async def run_worker_part(config: WorkerConfig, stop: asyncio.Event | None = Non
 
     if config.threads > 0:
         torch.set_num_threads(config.threads)  # before the torch thread starts: it keeps this count
-    log.info("loading the model %s (dtype %s, quant %s, device %s)", config.model or "(the default)", config.dtype, config.quant, config.device)
+    log.info(
+        "loading the model %s (dtype %s, quant %s, device %s)",
+        config.model or "(the default)",
+        config.dtype,
+        config.quant,
+        config.device,
+    )
     try:
         model = await compute_thread.run_async(
-            load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device, cpu_steps=config.cpu_steps
+            load_model,
+            config.model or None,
+            dtype=config.dtype,
+            quant=config.quant,
+            device=config.device,
+            cpu_steps=config.cpu_steps,
         )
     except Exception as exc:
         raise FatalError(f"cannot load the model {config.model or '(the default)'}: {_message(exc)}") from exc

@@ -13,7 +13,6 @@ from .keys import (
     request_stream,
     worker_key,
 )
-from .progress import decode_progress, encode_progress
 from .messages import (
     DISTRIBUTION_FIELDS,
     VERSION,
@@ -27,14 +26,15 @@ from .messages import (
     decode_cancel,
     decode_event,
     decode_event_batch,
-    encode_event_batch,
     decode_request,
     delta_event,
     done_event,
-    started_event,
+    encode_event_batch,
     error_event,
     parse_request,
     parse_sampling,
+    started_event,
 )
+from .progress import decode_progress, encode_progress
 
 __all__ = [name for name in dir() if not name.startswith("_")]

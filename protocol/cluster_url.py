@@ -57,7 +57,9 @@ def parse_cluster_url(url: str) -> ClusterAddress:
     rest, _, query = rest.partition("#")[0].partition("?")
     netloc, _, path = rest.partition("/")
     if path.strip("/"):
-        raise ValueError(f"a Redis Cluster has one database: its URL has no path after the nodes (percent-encode a '/' in the password): {FORM}")
+        raise ValueError(
+            f"a Redis Cluster has one database: its URL has no path after the nodes (percent-encode a '/' in the password): {FORM}"
+        )
     credentials, at, hosts = netloc.rpartition("@")
     user, colon, password = credentials.partition(":")
     nodes = tuple(_host_port(item) for item in hosts.split(","))
@@ -86,13 +88,17 @@ def _options(query: str) -> dict[str, list[str]]:
     try:
         given = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
-        raise ValueError("the options of a Redis Cluster URL are name=value pairs joined by &") from None  # no echo: a password may be in it
+        raise ValueError(
+            "the options of a Redis Cluster URL are name=value pairs joined by &"
+        ) from None  # no echo: a password may be in it
     unknown = sorted(set(given) - {"shards", *TLS_OPTIONS})
     if unknown:
         raise ValueError(
             f"unknown Redis Cluster URL option {unknown[0]!r}: the options are shards; ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_check_hostname with rediss+cluster://"
         )
-    repeated = [name for name, values in given.items() if len(values) > 1 and name != "shards"]  # shards: its own message
+    repeated = [
+        name for name, values in given.items() if len(values) > 1 and name != "shards"
+    ]  # shards: its own message
     if repeated:
         raise ValueError(f"Redis Cluster URL option {repeated[0]!r} is given more than once")
     return given

@@ -37,8 +37,14 @@ def salvage_fields(data: bytes | bytearray | memoryview, names: tuple[str, ...])
     An oversize entry therefore costs no more memory than its own bytes, whatever it holds."""
     small = MAX_SALVAGED_CHARS
     unpacker = msgpack.Unpacker(
-        io.BytesIO(data), raw=False, strict_map_key=False, ext_hook=_refuse_ext,
-        max_str_len=small, max_bin_len=small, max_array_len=small, max_map_len=small,
+        io.BytesIO(data),
+        raw=False,
+        strict_map_key=False,
+        ext_hook=_refuse_ext,
+        max_str_len=small,
+        max_bin_len=small,
+        max_array_len=small,
+        max_map_len=small,
     )
     found: dict[str, Any] = {}
     try:

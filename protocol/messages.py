@@ -37,7 +37,12 @@ MAX_LOGPROBS = 20
 # The fields that shape the distribution a token is drawn from. A request that sets any of them gets
 # that distribution: the ones it leaves out are neutral, not the server's defaults (see parse_sampling).
 DISTRIBUTION_FIELDS = ("temperature", "top_p", "top_k", "min_p")
-NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}  # workers serve interactive work first; batch work uses spare capacity
+NEUTRAL = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}  # workers serve interactive work first; batch work uses spare capacity
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 # The reply addresses a producer may name inside lmq's own namespace (`lmq:`, protocol/keys.py): a
@@ -192,7 +197,12 @@ def parse_sampling(data: Any) -> SamplingParams:
             token = int(key)
         except (TypeError, ValueError):
             raise _fail("sampling.logit_bias", f"key {key!r} is not a token id") from None
-        if not 0 <= token < 1 << 31 or isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+        if (
+            not 0 <= token < 1 << 31
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not -100 <= value <= 100
+        ):
             raise _fail("sampling.logit_bias", "values must be numbers between -100 and 100 on token ids >= 0")
         logit_bias[token] = float(value)
     stop = _list(data.get("stop", []), "sampling.stop", MAX_STOP_STRINGS)
@@ -230,7 +240,8 @@ def parse_reply(data: Any) -> Reply:
         raise _fail("reply.key", "must not be empty")
     if key.startswith(LMQ_NAMESPACE) and not _LMQ_REPLY.match(key):
         raise ProtocolError(
-            "reply_denied", f"reply.key: {key!r} lies in lmq's own namespace; use a key outside `lmq:` or under `lmq:reply:` (docs/protocol.md)"
+            "reply_denied",
+            f"reply.key: {key!r} lies in lmq's own namespace; use a key outside `lmq:` or under `lmq:reply:` (docs/protocol.md)",
         )
     return Reply(kind=kind, key=key)
 
@@ -253,7 +264,10 @@ def _parse_message(message: Any, where: str) -> dict[str, Any]:
     if role not in ROLES:
         raise _fail(f"{where}.role", f"must be one of {', '.join(ROLES)}")
     content = message.get("content")
-    parsed: dict[str, Any] = {"role": role, "content": "" if content is None else _str(content, f"{where}.content", MAX_TEXT_CHARS)}
+    parsed: dict[str, Any] = {
+        "role": role,
+        "content": "" if content is None else _str(content, f"{where}.content", MAX_TEXT_CHARS),
+    }
     if message.get("tool_calls") is not None:
         if role != "assistant":
             raise _fail(f"{where}.tool_calls", "only assistant messages carry tool calls")
@@ -271,7 +285,7 @@ def _parse_tool_call(call: Any, where: str) -> dict[str, Any]:
     """`{id, type: "function", function: {name, arguments}}`, arguments a map (or a string the model wrote)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict):
-        raise _fail(where, "must be a map `{id, type: \"function\", function: {name, arguments}}`")
+        raise _fail(where, 'must be a map `{id, type: "function", function: {name, arguments}}`')
     arguments = function.get("arguments", {})
     if not isinstance(arguments, (dict, str)):
         raise _fail(f"{where}.function.arguments", "must be a map or a string")
@@ -290,7 +304,7 @@ def _parse_tools(value: Any) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type", "function") != "function":
-            raise _fail(f"tools[{i}]", "must be a map `{type: \"function\", function: {name, description, parameters}}`")
+            raise _fail(f"tools[{i}]", 'must be a map `{type: "function", function: {name, description, parameters}}`')
         _str(function.get("name"), f"tools[{i}].function.name", 256)
         if not isinstance(function.get("parameters", {}), dict):
             raise _fail(f"tools[{i}].function.parameters", "must be a JSON Schema map")
@@ -304,7 +318,12 @@ def _parse_constraint(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict) or value.get("type") not in CONSTRAINT_TYPES:
         raise _fail("constraint", f"must be a map whose `type` is one of {', '.join(CONSTRAINT_TYPES)}")
     kind = value["type"]
-    needed = {"json_schema": ("schema", dict), "regex": ("pattern", str), "lark": ("grammar", str), "tool_calls": ("tools", list)}.get(kind)
+    needed = {
+        "json_schema": ("schema", dict),
+        "regex": ("pattern", str),
+        "lark": ("grammar", str),
+        "tool_calls": ("tools", list),
+    }.get(kind)
     if needed is not None and not isinstance(value.get(needed[0]), needed[1]):
         raise _fail(f"constraint.{needed[0]}", f"a `{kind}` constraint needs `{needed[0]}` (a {needed[1].__name__})")
     if kind == "tool_calls":  # one or more calls of these tools, in the worker's tool-call format
@@ -334,7 +353,9 @@ def parse_request(data: dict[str, Any]) -> Request:
 def _parse_request_body(data: dict[str, Any], request_id: str, reply: Reply) -> Request:
     version = data.get("v")
     if version != VERSION:
-        raise ProtocolError("unsupported_version", f"protocol version {version!r} is not supported (this worker speaks {VERSION})")
+        raise ProtocolError(
+            "unsupported_version", f"protocol version {version!r} is not supported (this worker speaks {VERSION})"
+        )
     inputs = [name for name in ("messages", "prompt", "prompt_ids") if data.get(name) is not None]
     if len(inputs) != 1:
         raise _fail("input", "give exactly one of `messages`, `prompt`, `prompt_ids`")
@@ -416,11 +437,24 @@ def started_event(request_id: str, seq: int, prompt_tokens: int) -> dict[str, An
 
 
 def delta_event(
-    request_id: str, seq: int, text: str, token_ids: list[int], offset: int, logprobs: list[dict[str, Any]] | None = None
+    request_id: str,
+    seq: int,
+    text: str,
+    token_ids: list[int],
+    offset: int,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """New text. `offset` is the number of completion tokens streamed before this delta; `logprobs`
     (when the request asked) has one map per token id: `{token, bytes, logprob, top: [{token, bytes, logprob}]}`."""
-    event = {"v": VERSION, "type": "delta", "id": request_id, "seq": seq, "text": text, "token_ids": token_ids, "offset": offset}
+    event = {
+        "v": VERSION,
+        "type": "delta",
+        "id": request_id,
+        "seq": seq,
+        "text": text,
+        "token_ids": token_ids,
+        "offset": offset,
+    }
     if logprobs is not None:
         event["logprobs"] = logprobs
     return event
@@ -444,7 +478,11 @@ def done_event(
         "seq": seq,
         "finish_reason": finish_reason,
         "stop_sequence": stop_sequence,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "cached_tokens": cached_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": cached_tokens,
+        },
     }
 
 
@@ -514,7 +552,7 @@ class Heartbeat:
         return encode({"v": VERSION, **asdict(self)})
 
     @classmethod
-    def decode(cls, raw: bytes) -> "Heartbeat":
+    def decode(cls, raw: bytes) -> Heartbeat:
         """Every field checked for its type and range: a heartbeat is read by every gateway on every
         request, so one malformed key (written by anything that can write `lmq:worker:*`) must be
         refused here, as a ProtocolError its reader can skip, not fail them all later."""

@@ -25,9 +25,9 @@ client certificate.
 from __future__ import annotations
 
 import redis
-import redis.cluster
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel
+import redis.cluster
 import redis.sentinel
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
@@ -67,7 +67,9 @@ def connect(url: str) -> aioredis.Redis:
     )
     if is_sentinel_url(url):
         address = parse_sentinel_url(url)
-        pool = BlockingSentinelConnectionPool(address.service, _sentinels(redis.asyncio.sentinel.Sentinel, address), **_primary_login(address), **options)
+        pool = BlockingSentinelConnectionPool(
+            address.service, _sentinels(redis.asyncio.sentinel.Sentinel, address), **_primary_login(address), **options
+        )
         return aioredis.Redis.from_pool(pool)  # closing the client closes the pool and its sentinel clients
     pool = aioredis.BlockingConnectionPool.from_url(url, **options)
     return aioredis.Redis(connection_pool=pool)
@@ -79,12 +81,18 @@ def connect_sync(url: str, **connection_options) -> redis.Redis:
         address = parse_cluster_url(url)
         nodes = [redis.cluster.ClusterNode(host, port) for host, port in address.nodes]
         return redis.cluster.RedisCluster(
-            startup_nodes=nodes, username=address.username, password=address.password, **_tls(address.tls), **connection_options
+            startup_nodes=nodes,
+            username=address.username,
+            password=address.password,
+            **_tls(address.tls),
+            **connection_options,
         )
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **connection_options)
     address = parse_sentinel_url(url)
-    return _sentinels(redis.sentinel.Sentinel, address).master_for(address.service, **{**_primary_login(address), **connection_options})
+    return _sentinels(redis.sentinel.Sentinel, address).master_for(
+        address.service, **{**_primary_login(address), **connection_options}
+    )
 
 
 async def pubsub(client: aioredis.Redis) -> aioredis.client.PubSub:
@@ -144,7 +152,11 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, aioredis.BlockingCo
 def _sentinels(kind: type, address: SentinelAddress):
     login = {"username": address.sentinel_username, "password": address.sentinel_password}
     timeouts = {"socket_timeout": SENTINEL_SOCKET_TIMEOUT_S, "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT_S}
-    return kind(list(address.sentinels), min_other_sentinels=address.min_other_sentinels, sentinel_kwargs={**login, **timeouts, **_tls(address.tls)})
+    return kind(
+        list(address.sentinels),
+        min_other_sentinels=address.min_other_sentinels,
+        sentinel_kwargs={**login, **timeouts, **_tls(address.tls)},
+    )
 
 
 def _primary_login(address: SentinelAddress) -> dict:

@@ -118,10 +118,14 @@ def _options(query: str, tls: bool) -> dict:
     try:
         given = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
-        raise ValueError("the options of a Sentinel URL are name=value pairs joined by &") from None  # no echo: a password may be in it
+        raise ValueError(
+            "the options of a Sentinel URL are name=value pairs joined by &"
+        ) from None  # no echo: a password may be in it
     unknown = sorted(set(given) - set(OPTIONS) - set(TLS_OPTIONS))
     if unknown:
-        raise ValueError(f"unknown Sentinel URL option {unknown[0]!r}: the options are {', '.join(OPTIONS)}; {TLS_ONLY}")
+        raise ValueError(
+            f"unknown Sentinel URL option {unknown[0]!r}: the options are {', '.join(OPTIONS)}; {TLS_ONLY}"
+        )
     repeated = [name for name, values in given.items() if len(values) > 1]
     if repeated:
         raise ValueError(f"Sentinel URL option {repeated[0]!r} is given more than once")

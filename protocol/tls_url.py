@@ -61,7 +61,9 @@ def tls_options(given: dict[str, str | None], tls: bool, scheme: str) -> TlsOpti
     found = {name: given.pop(name) for name in OPTIONS if name in given}
     if not tls:
         if found:
-            raise ValueError(f"{next(iter(found))} is a TLS option: a URL over TLS starts with rediss{scheme.removeprefix('redis')}://")
+            raise ValueError(
+                f"{next(iter(found))} is a TLS option: a URL over TLS starts with rediss{scheme.removeprefix('redis')}://"
+            )
         return None
     for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
         if name in found and not found[name]:

@@ -31,7 +31,14 @@ def chat_line(custom_id: str, prompt: str, max_tokens: int = 4, **body: Any) -> 
         "custom_id": custom_id,
         "method": "POST",
         "url": "/v1/chat/completions",
-        "body": {"model": REAL_MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **body},
+        "body": {
+            "model": REAL_MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **body,
+        },
     }
 
 

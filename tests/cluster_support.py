@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from fault_support import MODEL, Stack, StackSpec
 from redis.exceptions import ResponseError
 
 import protocol
-from fault_support import MODEL, Stack, StackSpec
 from lmq.redis_cluster import EmbeddedCluster
 from protocol import REQUEST_GROUP
 from protocol.cluster_url import shard_layout
@@ -70,7 +70,10 @@ class ClusterStack(Stack):
 
     def group_exists(self) -> bool:
         try:
-            return all(any(group["name"] == REQUEST_GROUP.encode() for group in self.admin.xinfo_groups(stream)) for stream in self.streams)
+            return all(
+                any(group["name"] == REQUEST_GROUP.encode() for group in self.admin.xinfo_groups(stream))
+                for stream in self.streams
+            )
         except ResponseError:
             return False
 

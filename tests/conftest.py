@@ -20,9 +20,9 @@ import pathlib
 
 import pytest
 import redis.asyncio as aioredis
+from tiny_model import make_tiny_model
 
 from lmq.redis_server import EmbeddedRedis, find_redis_server
-from tiny_model import make_tiny_model
 from worker.model.loader import LoadedModel, load_model
 
 

@@ -36,7 +36,11 @@ class Result:
         self.cached_tokens = output.cached_tokens
         if output.finish_reason is not None:
             self.finishes += 1
-            self.finish_reason, self.stop_sequence, self.error = output.finish_reason, output.stop_sequence, output.error
+            self.finish_reason, self.stop_sequence, self.error = (
+                output.finish_reason,
+                output.stop_sequence,
+                output.error,
+            )
 
 
 def greedy(max_tokens: int = 12, **params) -> SamplingParams:

@@ -23,9 +23,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 import redis
@@ -68,7 +69,9 @@ TEST_KEY_PATTERNS = ("lmq:test:*", "lmq:reply:test:*", "lmq:progress:*", "myapp:
 # ---------------------------------------------------------------- waiting
 
 
-async def eventually(check: Callable[[], Any], what: str, timeout: float, stack: "Stack | None" = None, interval: float = 0.1) -> Any:
+async def eventually(
+    check: Callable[[], Any], what: str, timeout: float, stack: Stack | None = None, interval: float = 0.1
+) -> Any:
     """Poll `check` (a plain function) until it returns something true; fail with the logs."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
@@ -100,7 +103,13 @@ class Processes:
     def start(self, name: str, argv: list[str], environment: dict[str, str]) -> subprocess.Popen:
         with open(self.log_path(name), "ab") as log:
             process = subprocess.Popen(
-                argv, cwd=REPO, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+                argv,
+                cwd=REPO,
+                env=environment,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         self.running[name] = process
         return process
@@ -167,11 +176,17 @@ class Stack:
     """One Redis and the lmq processes on it. `prepare()` before each test makes it whole again."""
 
     def __init__(self, spec: StackSpec, root: Path, model_dir: Path):
-        server = EmbeddedRedis(data_dir=root / "redis", port=free_tcp_port(), server=find_redis_server(spec.kind), appendonly=True).start()
-        self._attach(spec, root, model_dir, server, redis.Redis.from_url(server.url, socket_timeout=5, socket_connect_timeout=2))
+        server = EmbeddedRedis(
+            data_dir=root / "redis", port=free_tcp_port(), server=find_redis_server(spec.kind), appendonly=True
+        ).start()
+        self._attach(
+            spec, root, model_dir, server, redis.Redis.from_url(server.url, socket_timeout=5, socket_connect_timeout=2)
+        )
         self.url = self._lmq_url()
 
-    def _attach(self, spec: StackSpec, root: Path, model_dir: Path, server: EmbeddedRedis, admin: redis.Redis, url: str = "") -> None:
+    def _attach(
+        self, spec: StackSpec, root: Path, model_dir: Path, server: EmbeddedRedis, admin: redis.Redis, url: str = ""
+    ) -> None:
         """The fields of a stack on a Redis that is up: `server` (whose log lines `log_tails` shows),
         `admin` (the tests' own client), `url` (the lmq processes' REDIS_URL)."""
         self.spec, self.root, self.model_dir = spec, root, model_dir
@@ -233,7 +248,9 @@ class Stack:
         for name in names:
             text = self.processes.log_text(name).splitlines()
             parts.append(f"--- {name} (last {lines} lines)\n" + "\n".join(text[-lines:]))
-        redis_log = self.redis.log_path.read_text(errors="replace").splitlines()[-5:] if self.redis.log_path.exists() else []
+        redis_log = (
+            self.redis.log_path.read_text(errors="replace").splitlines()[-5:] if self.redis.log_path.exists() else []
+        )
         parts.append("--- redis\n" + "\n".join(redis_log))
         return "\n".join(parts)
 
@@ -412,7 +429,7 @@ class ChatStream:
             "stream_options": {"include_usage": True},
         }
 
-    async def run(self, session: aiohttp.ClientSession, timeout: float = CLIENT_TIMEOUT_S) -> "ChatStream":
+    async def run(self, session: aiohttp.ClientSession, timeout: float = CLIENT_TIMEOUT_S) -> ChatStream:
         try:
             async with asyncio.timeout(timeout):
                 async with session.post(f"{self.base_url}/v1/chat/completions", json=self.body()) as response:
@@ -473,14 +490,20 @@ class ChatStream:
         )
 
     def assert_exact(self, expected: str, context: str = "") -> None:
-        assert self.is_exact(expected), f"expected the whole answer exactly once\n{self.describe()}\nexpected text={expected!r}\n{context}"
+        assert self.is_exact(expected), (
+            f"expected the whole answer exactly once\n{self.describe()}\nexpected text={expected!r}\n{context}"
+        )
 
     def assert_exact_or_visible_error(self, expected: str, context: str = "") -> str:
         """The whole answer exactly once, or an error the client can see, after nothing but a
         prefix of the answer: never a hang, a hole, a duplicate or a silent cut. Returns which."""
-        assert not self.hung, f"the stream hung: no answer, no error within {CLIENT_TIMEOUT_S} s\n{self.describe()}\n{context}"
+        assert not self.hung, (
+            f"the stream hung: no answer, no error within {CLIENT_TIMEOUT_S} s\n{self.describe()}\n{context}"
+        )
         if self.error is not None:
-            assert expected.startswith(self.text), f"text with a hole or a duplicate before the error\n{self.describe()}\nexpected text={expected!r}\n{context}"
+            assert expected.startswith(self.text), (
+                f"text with a hole or a duplicate before the error\n{self.describe()}\nexpected text={expected!r}\n{context}"
+            )
             assert not self.after_done, f"events after the error\n{self.describe()}\n{context}"
             return "error"
         assert self.is_exact(expected), (
@@ -495,7 +518,13 @@ def client_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0))
 
 
-async def streaming(stack: "Stack", streams: list[ChatStream], tasks: list[asyncio.Task], chunks: int, also: Callable[[], bool] = lambda: True) -> None:
+async def streaming(
+    stack: Stack,
+    streams: list[ChatStream],
+    tasks: list[asyncio.Task],
+    chunks: int,
+    also: Callable[[], bool] = lambda: True,
+) -> None:
     """Wait until every stream has `chunks` text chunks (and `also()`): the moment to inject a
     fault. A stream that ended before it fails the test here, with what it got."""
 
@@ -514,7 +543,15 @@ async def stream_all(session: aiohttp.ClientSession, streams: list[ChatStream]) 
 # ---------------------------------------------------------------- foreign producers (reply streams)
 
 
-def foreign_request(request_id: str, prompt: str, reply_key: str, *, reply_kind: str = "stream", max_tokens: int = MAX_TOKENS, **sampling: Any) -> dict[str, Any]:
+def foreign_request(
+    request_id: str,
+    prompt: str,
+    reply_key: str,
+    *,
+    reply_kind: str = "stream",
+    max_tokens: int = MAX_TOKENS,
+    **sampling: Any,
+) -> dict[str, Any]:
     """A request map as another service would write it (plain dict, msgpack'd by the caller)."""
     return {
         "v": 1,
@@ -540,16 +577,27 @@ def assert_contiguous(events: list[dict], what: str) -> None:
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), f"{what}: seq not strictly increasing: {seqs}"
     for event in events:
         if event.get("type") == "delta":
-            assert event["offset"] == streamed, f"{what}: delta at offset {event['offset']} after {streamed} tokens: {_short(events)}"
+            assert event["offset"] == streamed, (
+                f"{what}: delta at offset {event['offset']} after {streamed} tokens: {_short(events)}"
+            )
             streamed += len(event["token_ids"])
     ends = [i for i, event in enumerate(events) if event.get("type") in ("done", "error")]
-    assert len(ends) == 1 and ends[0] == max(i for i, e in enumerate(events) if e.get("type") in ("delta", "done", "error")), (
-        f"{what}: not exactly one final event, last: {_short(events)}"
-    )
+    assert len(ends) == 1 and ends[0] == max(
+        i for i, e in enumerate(events) if e.get("type") in ("delta", "done", "error")
+    ), f"{what}: not exactly one final event, last: {_short(events)}"
 
 
 def _short(events: list[dict]) -> list:
-    return [(e.get("type"), e.get("seq"), e.get("offset"), len(e.get("token_ids") or []), e.get("code") or e.get("finish_reason")) for e in events]
+    return [
+        (
+            e.get("type"),
+            e.get("seq"),
+            e.get("offset"),
+            len(e.get("token_ids") or []),
+            e.get("code") or e.get("finish_reason"),
+        )
+        for e in events
+    ]
 
 
 # ---------------------------------------------------------------- the undisturbed answers
@@ -562,7 +610,9 @@ class Expected:
     text_steps: int  # steps whose output carried text: a client sees that many chunks
 
 
-async def expected_answers(model, prompts: list[str], max_tokens: int = MAX_TOKENS, **sampling: Any) -> dict[str, Expected]:
+async def expected_answers(
+    model, prompts: list[str], max_tokens: int = MAX_TOKENS, **sampling: Any
+) -> dict[str, Expected]:
     """Each prompt's greedy answer from an undisturbed run of the engine in this process, as a
     worker renders it (chat template) and samples it (float32 greedy: the same in any batch)."""
     params = protocol.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
@@ -589,7 +639,9 @@ async def expected_answers(model, prompts: list[str], max_tokens: int = MAX_TOKE
     answers = {}
     for request_id, prompt in ids.items():
         assert len(tokens[request_id]) == max_tokens, (prompt, tokens[request_id])
-        answers[prompt] = Expected("".join(texts[request_id]), tokens[request_id], sum(1 for text in texts[request_id] if text))
+        answers[prompt] = Expected(
+            "".join(texts[request_id]), tokens[request_id], sum(1 for text in texts[request_id] if text)
+        )
     return answers
 
 
@@ -608,10 +660,14 @@ class PromptPool:
         self._next = 0
 
     @classmethod
-    async def build(cls, model, size: int = 16, candidates: int = 40) -> "PromptPool":
-        answers = await expected_answers(model, [f"Fault {i}: the quick brown fox jumps over the lazy dog." for i in range(candidates)])
+    async def build(cls, model, size: int = 16, candidates: int = 40) -> PromptPool:
+        answers = await expected_answers(
+            model, [f"Fault {i}: the quick brown fox jumps over the lazy dog." for i in range(candidates)]
+        )
         best = sorted(answers, key=lambda prompt: -answers[prompt].text_steps)[:size]
-        assert answers[best[-1]].text_steps >= 8, f"too few prompts that stream text: {[answers[p].text_steps for p in best]}"
+        assert answers[best[-1]].text_steps >= 8, (
+            f"too few prompts that stream text: {[answers[p].text_steps for p in best]}"
+        )
         held_back = [p for p in answers if "\ufffd" in answers[p].text and answers[p].text_steps <= 4]
         return cls({prompt: answers[prompt] for prompt in best}, {prompt: answers[prompt] for prompt in held_back[:2]})
 

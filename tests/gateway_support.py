@@ -16,13 +16,13 @@ from typing import Any
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 from redis.exceptions import ResponseError
+from worker_helpers import stop_worker, wait_for
 
 import protocol
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from worker.config import WorkerConfig
 from worker.service import Worker
-from worker_helpers import stop_worker, wait_for
 
 MODEL = "tiny-test"  # the name scripted workers answer to
 REAL_MODEL = "tiny"  # the name real workers on the tiny model serve
@@ -42,7 +42,16 @@ async def running_gateway(redis_url: str, **settings: Any) -> AsyncIterator[str]
 
 
 def heartbeat(model: str = MODEL, worker_id: str = "scripted") -> protocol.Heartbeat:
-    return protocol.Heartbeat(worker_id=worker_id, model=model, capacity=4, running=0, waiting=0, kv_pages_used=0, kv_pages_total=64, time=time.time())
+    return protocol.Heartbeat(
+        worker_id=worker_id,
+        model=model,
+        capacity=4,
+        running=0,
+        waiting=0,
+        kv_pages_used=0,
+        kv_pages_total=64,
+        time=time.time(),
+    )
 
 
 async def announce(redis: aioredis.Redis, model: str = MODEL, worker_id: str = "scripted") -> None:
@@ -50,7 +59,9 @@ async def announce(redis: aioredis.Redis, model: str = MODEL, worker_id: str = "
     await redis.set(protocol.worker_key(worker_id), heartbeat(model, worker_id).encode(), ex=60)
 
 
-def words_script(words: list[str], finish_reason: str = "stop", prompt_tokens: int = 7, cached_tokens: int = 0) -> Script:
+def words_script(
+    words: list[str], finish_reason: str = "stop", prompt_tokens: int = 7, cached_tokens: int = 0
+) -> Script:
     """Answer every request with one delta per word, then `done`."""
 
     def script(request: protocol.Request) -> list[list[dict[str, Any]]]:
@@ -61,7 +72,9 @@ def words_script(words: list[str], finish_reason: str = "stop", prompt_tokens: i
     return script
 
 
-async def take_request(redis: aioredis.Redis, model: str = MODEL, consumer: str = "scripted", stop: asyncio.Event | None = None) -> tuple[str, protocol.Request] | None:
+async def take_request(
+    redis: aioredis.Redis, model: str = MODEL, consumer: str = "scripted", stop: asyncio.Event | None = None
+) -> tuple[str, protocol.Request] | None:
     """Wait until a request is in the model's stream and read it as a worker would (None once `stop` is set)."""
     stream = protocol.request_stream(model)
     with contextlib.suppress(ResponseError):
@@ -84,7 +97,14 @@ async def finish(redis: aioredis.Redis, request: protocol.Request, entry_id: str
     await redis.xdel(stream, entry_id)
 
 
-async def scripted_worker(redis: aioredis.Redis, script: Script, received: list[protocol.Request], model: str, worker_id: str, stop: asyncio.Event) -> None:
+async def scripted_worker(
+    redis: aioredis.Redis,
+    script: Script,
+    received: list[protocol.Request],
+    model: str,
+    worker_id: str,
+    stop: asyncio.Event,
+) -> None:
     """Serve requests with `script` until `stop` is set, appending each request to `received`.
 
     (A stop event, not task cancellation: redis-py may swallow a cancellation during a blocking read.)
@@ -98,7 +118,9 @@ async def scripted_worker(redis: aioredis.Redis, script: Script, received: list[
 
 
 @contextlib.asynccontextmanager
-async def worker_running(redis: aioredis.Redis, script: Script, model: str = MODEL, worker_id: str = "scripted") -> AsyncIterator[list[protocol.Request]]:
+async def worker_running(
+    redis: aioredis.Redis, script: Script, model: str = MODEL, worker_id: str = "scripted"
+) -> AsyncIterator[list[protocol.Request]]:
     """A scripted worker for the block; yields the list of requests it received."""
     received: list[protocol.Request] = []
     stop = asyncio.Event()
@@ -111,11 +133,19 @@ async def worker_running(redis: aioredis.Redis, script: Script, model: str = MOD
         await task
 
 
-
 @contextlib.asynccontextmanager
 async def real_worker(redis_url: str, model: Any, worker_id: str = "w1", **settings: Any) -> AsyncIterator[Worker]:
     """A real worker (engine and all) on `model` in this event loop, serving REAL_MODEL; live on entry."""
-    config = WorkerConfig(**{"redis_url": redis_url, "model_name": REAL_MODEL, "worker_id": worker_id, "kv_memory": "4MiB", "max_seqs": 4, **settings})
+    config = WorkerConfig(
+        **{
+            "redis_url": redis_url,
+            "model_name": REAL_MODEL,
+            "worker_id": worker_id,
+            "kv_memory": "4MiB",
+            "max_seqs": 4,
+            **settings,
+        }
+    )
     redis = aioredis.Redis.from_url(redis_url)
     worker = Worker(config, model, redis)
     stop = asyncio.Event()

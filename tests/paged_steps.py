@@ -10,7 +10,9 @@ from worker.batch import PagedKV, StepBatch
 from worker.model.config import ModelConfig
 
 
-def allocate_kv(config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> PagedKV:
+def allocate_kv(
+    config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> PagedKV:
     shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
     return PagedKV(k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device))
 
@@ -46,7 +48,9 @@ def make_batch(chunks: list[Chunk], page_size: int) -> StepBatch:
     )
 
 
-def greedy(model: torch.nn.Module, kv: PagedKV, prompt_ids: list[int], steps: int, suppress: frozenset[int] = frozenset()) -> tuple[list[int], list[float]]:
+def greedy(
+    model: torch.nn.Module, kv: PagedKV, prompt_ids: list[int], steps: int, suppress: frozenset[int] = frozenset()
+) -> tuple[list[int], list[float]]:
     """Greedy ids and top-2 logit margins of one sequence using pages 0.. of `kv`, prompt in one chunk."""
     page_size = kv.page_size
     pages = list(range((len(prompt_ids) + steps + page_size - 1) // page_size))

@@ -16,7 +16,9 @@ USER = "lmq"
 
 def acl_setuser_line() -> str:
     """The one `ACL SETUSER lmq ...` line of docs/deploy.md."""
-    lines = [line.strip() for line in DEPLOY_DOC.read_text().splitlines() if line.strip().startswith(f"ACL SETUSER {USER} ")]
+    lines = [
+        line.strip() for line in DEPLOY_DOC.read_text().splitlines() if line.strip().startswith(f"ACL SETUSER {USER} ")
+    ]
     assert len(lines) == 1, f"expected one ACL SETUSER {USER} line in {DEPLOY_DOC}, found {len(lines)}"
     return lines[0]
 

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import redis
+from fault_support import Processes, Stack, StackSpec, eventually
 from redis.exceptions import RedisError
 
-from fault_support import Processes, Stack, StackSpec, eventually
 from lmq.redis_server import EmbeddedRedis, ServerTls, find_redis_server, free_tcp_port
 from protocol.redis_client import connect_sync
 
@@ -52,15 +52,24 @@ class SentinelSet:
         """A plain client of the server or sentinel on `port` (over TLS in a TLS set)."""
         return redis.Redis(port=port, **(self.tls.client_kwargs() if self.tls else {}), **options)
 
-    def start(self) -> "SentinelSet":
+    def start(self) -> SentinelSet:
         self.primary.start()
         self.replica.start()
         with self.client(self.replica.port) as replica:
             replica.replicaof("127.0.0.1", self.primary.port)
-            _poll(lambda: replica.info("replication").get("master_link_status") == "up", "the replica in sync", READY_TIMEOUT_S)
+            _poll(
+                lambda: replica.info("replication").get("master_link_status") == "up",
+                "the replica in sync",
+                READY_TIMEOUT_S,
+            )
         for index, port in enumerate(self.sentinel_ports):
             self._start_sentinel(index, port)
-        _poll(self.ready, "three sentinels that see the primary, the replica and each other", READY_TIMEOUT_S, self.log_tails)
+        _poll(
+            self.ready,
+            "three sentinels that see the primary, the replica and each other",
+            READY_TIMEOUT_S,
+            self.log_tails,
+        )
         return self
 
     def _start_sentinel(self, index: int, port: int) -> None:
@@ -70,7 +79,9 @@ class SentinelSet:
         listen = f"port {port}\n"
         if self.tls:  # the same options as the servers': sentinel.conf lines are the command line's without "--"
             options = self.tls.server_args()
-            listen = f"port 0\ntls-port {port}\n" + "".join(f"{name[2:]} {value}\n" for name, value in zip(options[::2], options[1::2]))
+            listen = f"port 0\ntls-port {port}\n" + "".join(
+                f"{name[2:]} {value}\n" for name, value in zip(options[::2], options[1::2])
+            )
         config.write_text(
             f"{listen}bind 127.0.0.1\ndir {directory}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} {QUORUM}\n"

@@ -8,11 +8,8 @@ import anthropic
 import pytest
 from gateway_support import REAL_MODEL, real_worker, running_gateway
 
-
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "ignore_eos": True}  # passed as extra_body, as current SDKs require
-
-
 
 
 @pytest.fixture
@@ -23,8 +20,16 @@ async def base_url(redis_url, tiny):
 
 async def test_async_client_whole_and_streamed_answers_agree(base_url):
     client = anthropic.AsyncAnthropic(base_url=base_url, api_key="secret", max_retries=0)
-    whole = await client.messages.create(model=REAL_MODEL, max_tokens=8, system="Be brief.", messages=MESSAGES, extra_body=GREEDY)
-    async with client.messages.stream(model=REAL_MODEL, max_tokens=8, system=[{"type": "text", "text": "Be brief."}], messages=MESSAGES, extra_body=GREEDY) as stream:
+    whole = await client.messages.create(
+        model=REAL_MODEL, max_tokens=8, system="Be brief.", messages=MESSAGES, extra_body=GREEDY
+    )
+    async with client.messages.stream(
+        model=REAL_MODEL,
+        max_tokens=8,
+        system=[{"type": "text", "text": "Be brief."}],
+        messages=MESSAGES,
+        extra_body=GREEDY,
+    ) as stream:
         streamed = "".join([text async for text in stream.text_stream])
         final = await stream.get_final_message()
     assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 8
@@ -33,7 +38,9 @@ async def test_async_client_whole_and_streamed_answers_agree(base_url):
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
     # the same prompt twice: the second read some of it from the prefix cache
     assert final.usage.cache_read_input_tokens > 0
-    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == whole.usage.input_tokens + (
+        whole.usage.cache_read_input_tokens or 0
+    )
 
 
 async def test_sync_client_whole_streamed_and_beta(base_url):
@@ -43,7 +50,9 @@ async def test_sync_client_whole_streamed_and_beta(base_url):
         whole = client.messages.create(model=REAL_MODEL, max_tokens=5, messages=MESSAGES, extra_body=GREEDY)
         with client.messages.stream(model=REAL_MODEL, max_tokens=5, messages=MESSAGES, extra_body=GREEDY) as stream:
             streamed = "".join(stream.text_stream)
-        beta = client.beta.messages.create(model=REAL_MODEL, max_tokens=5, messages=MESSAGES, extra_body=GREEDY)  # POST /v1/messages?beta=true
+        beta = client.beta.messages.create(
+            model=REAL_MODEL, max_tokens=5, messages=MESSAGES, extra_body=GREEDY
+        )  # POST /v1/messages?beta=true
         return whole, streamed, beta
 
     whole, streamed, beta = await asyncio.to_thread(ask)  # the sync client blocks: keep it off the gateway's loop
@@ -53,7 +62,9 @@ async def test_sync_client_whole_streamed_and_beta(base_url):
 async def test_count_tokens_matches_the_prompt_tokens_of_a_request(base_url):
     client = anthropic.AsyncAnthropic(base_url=base_url, api_key="secret", max_retries=0)
     counted = await client.messages.count_tokens(model=REAL_MODEL, system="Be brief.", messages=MESSAGES)
-    message = await client.messages.create(model=REAL_MODEL, max_tokens=2, system="Be brief.", messages=MESSAGES, extra_body=GREEDY)
+    message = await client.messages.create(
+        model=REAL_MODEL, max_tokens=2, system="Be brief.", messages=MESSAGES, extra_body=GREEDY
+    )
     assert counted.input_tokens > 0
     assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
 

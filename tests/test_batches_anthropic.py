@@ -15,7 +15,13 @@ def client_for(url: str) -> anthropic.AsyncAnthropic:
 
 
 def params(prompt: str, max_tokens: int = 4, **extra) -> dict:
-    return {"model": REAL_MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}], "temperature": 0, **extra}
+    return {
+        "model": REAL_MODEL,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        **extra,
+    }
 
 
 async def ended(client: anthropic.AsyncAnthropic, batch_id: str):
@@ -41,27 +47,39 @@ async def test_a_message_batch_runs_to_the_end_with_one_result_per_request(url):
     requests = [{"custom_id": f"m-{i}", "params": params(f"Say {i}", system="Be brief.")} for i in range(10)]
     requests.append({"custom_id": "too-long", "params": params("fox " * 3000)})
     batch = await client.messages.batches.create(requests=requests)
-    assert batch.processing_status == "in_progress" and batch.request_counts.processing == 11 and batch.results_url is None
+    assert (
+        batch.processing_status == "in_progress" and batch.request_counts.processing == 11 and batch.results_url is None
+    )
     batch = await ended(client, batch.id)
     assert (batch.request_counts.succeeded, batch.request_counts.errored, batch.request_counts.processing) == (10, 1, 0)
     assert batch.ended_at is not None and batch.results_url.endswith(f"/v1/messages/batches/{batch.id}/results")
     found = await results(client, batch.id)
     assert Counter(result.custom_id for result in found) == Counter([r["custom_id"] for r in requests])
     live = await client.messages.create(
-        model=REAL_MODEL, max_tokens=4, system="Be brief.", messages=[{"role": "user", "content": "Say 3"}], extra_body={"temperature": 0}
+        model=REAL_MODEL,
+        max_tokens=4,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Say 3"}],
+        extra_body={"temperature": 0},
     )
     for result in found:
         if result.custom_id == "too-long":
             assert result.result.type == "errored" and result.result.error.error.type == "invalid_request_error"
             continue
         message = result.result.message
-        assert result.result.type == "succeeded" and message.stop_reason in ("max_tokens", "end_turn") and message.usage.output_tokens <= 4
+        assert (
+            result.result.type == "succeeded"
+            and message.stop_reason in ("max_tokens", "end_turn")
+            and message.usage.output_tokens <= 4
+        )
         if result.custom_id == "m-3":
             assert message.content == live.content  # greedy: what the live endpoint answers
     listed = [b.id async for b in client.messages.batches.list(limit=1)]
     assert listed == [batch.id]
     with pytest.raises(anthropic.BadRequestError):
-        await client.messages.batches.delete((await client.messages.batches.create(requests=requests[:1])).id)  # still processing
+        await client.messages.batches.delete(
+            (await client.messages.batches.create(requests=requests[:1])).id
+        )  # still processing
     deleted = await client.messages.batches.delete(batch.id)
     assert deleted.id == batch.id and deleted.type == "message_batch_deleted"
     with pytest.raises(anthropic.NotFoundError):
@@ -72,7 +90,10 @@ async def test_a_malformed_request_refuses_the_whole_batch_naming_it(url):
     client = client_for(url)
     good = {"custom_id": "good", "params": params("hi")}
     cases = [
-        ({"custom_id": "no-model", "params": {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}}, "requests.1.params.model"),
+        (
+            {"custom_id": "no-model", "params": {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}},
+            "requests.1.params.model",
+        ),
         ({"custom_id": "good", "params": params("again")}, "used twice"),
         ({"custom_id": "has space", "params": params("hi")}, "custom_id"),
         ({"custom_id": "no-params"}, "requests.1.params"),
@@ -82,7 +103,9 @@ async def test_a_malformed_request_refuses_the_whole_batch_naming_it(url):
             await client.messages.batches.create(requests=[good, bad])
         assert named in refused.value.message, refused.value.message
     with pytest.raises(anthropic.NotFoundError):
-        await client.messages.batches.create(requests=[{"custom_id": "x", "params": params("hi", model="nobody-serves-this")}])
+        await client.messages.batches.create(
+            requests=[{"custom_id": "x", "params": params("hi", model="nobody-serves-this")}]
+        )
     assert [b async for b in client.messages.batches.list()] == []
 
 
@@ -103,9 +126,14 @@ async def test_a_request_with_bad_params_errors_alone_and_the_others_run(url):
 
 
 async def test_cancelling_keeps_what_finished_and_cancels_the_rest(redis_url, tiny):
-    async with real_worker(redis_url, slow(tiny, 0.05), max_seqs=2), running_gateway(redis_url, batch_in_flight=4) as url:
+    async with (
+        real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
+        running_gateway(redis_url, batch_in_flight=4) as url,
+    ):
         client = client_for(url)
-        batch = await client.messages.batches.create(requests=[{"custom_id": f"c{i}", "params": params(f"Count {i}", 6)} for i in range(24)])
+        batch = await client.messages.batches.create(
+            requests=[{"custom_id": f"c{i}", "params": params(f"Count {i}", 6)} for i in range(24)]
+        )
 
         async def some_done():
             return (await client.messages.batches.retrieve(batch.id)).request_counts.succeeded >= 2
@@ -118,13 +146,20 @@ async def test_cancelling_keeps_what_finished_and_cancels_the_rest(redis_url, ti
     counts = batch.request_counts
     assert counts.succeeded >= 2 and counts.canceled > 0 and counts.succeeded + counts.canceled + counts.errored == 24
     assert Counter(result.custom_id for result in found) == Counter(f"c{i}" for i in range(24))
-    assert Counter(result.result.type for result in found) == Counter({"succeeded": counts.succeeded, "canceled": counts.canceled, "errored": counts.errored})
+    assert Counter(result.result.type for result in found) == Counter(
+        {"succeeded": counts.succeeded, "canceled": counts.canceled, "errored": counts.errored}
+    )
 
 
 async def test_expired_requests_say_so(redis_url, tiny):
-    async with real_worker(redis_url, slow(tiny, 0.05), max_seqs=2), running_gateway(redis_url, batch_window_seconds=2.0, batch_in_flight=2) as url:
+    async with (
+        real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
+        running_gateway(redis_url, batch_window_seconds=2.0, batch_in_flight=2) as url,
+    ):
         client = client_for(url)
-        batch = await client.messages.batches.create(requests=[{"custom_id": f"e{i}", "params": params(f"List {i}", 8)} for i in range(20)])
+        batch = await client.messages.batches.create(
+            requests=[{"custom_id": f"e{i}", "params": params(f"List {i}", 8)} for i in range(20)]
+        )
         batch = await ended(client, batch.id)
         found = await results(client, batch.id)
     assert batch.request_counts.expired > 0 and batch.request_counts.processing == 0

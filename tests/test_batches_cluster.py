@@ -44,7 +44,16 @@ def cluster_url(cluster: EmbeddedCluster) -> str:
 @contextlib.asynccontextmanager
 async def cluster_worker(url: str, model: Any, **settings: Any) -> AsyncIterator[Worker]:
     """A real worker on `model` serving REAL_MODEL through the cluster, live (its heartbeat written) on entry."""
-    config = WorkerConfig(**{"redis_url": url, "model_name": REAL_MODEL, "worker_id": "w1", "kv_memory": "4MiB", "max_seqs": 4, **settings})
+    config = WorkerConfig(
+        **{
+            "redis_url": url,
+            "model_name": REAL_MODEL,
+            "worker_id": "w1",
+            "kv_memory": "4MiB",
+            "max_seqs": 4,
+            **settings,
+        }
+    )
     redis = connect(url)
     stop = asyncio.Event()
     task = asyncio.create_task(Worker(config, model, redis).run(stop))
@@ -77,15 +86,21 @@ def assert_batch_keys_at_home(cluster: EmbeddedCluster) -> None:
     keys = cluster.all_keys("lmq:*")
     batch_keys = [key for key in keys if any(part in key for part in (":batch:", ":batches", ":file:", ":files"))]
     assert batch_keys, "no batch keys at all"
-    assert all(key.startswith(home.key("")) for key in batch_keys), [key for key in batch_keys if not key.startswith(home.key(""))]
+    assert all(key.startswith(home.key("")) for key in batch_keys), [
+        key for key in batch_keys if not key.startswith(home.key(""))
+    ]
     assert {key_slot(key.encode()) for key in batch_keys} == {key_slot(home.key("files").encode())}
 
 
 async def test_an_openai_batch_runs_to_completion_on_a_cluster(url, cluster):
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     prompts = {f"q{i}": f"Question {i}: what comes after {i}?" for i in range(8)}
-    upload = await client.files.create(file=("in.jsonl", jsonl([chat_line(cid, p) for cid, p in prompts.items()])), purpose="batch")
-    batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    upload = await client.files.create(
+        file=("in.jsonl", jsonl([chat_line(cid, p) for cid, p in prompts.items()])), purpose="batch"
+    )
+    batch = await client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     batch = await openai_batch_end(client, batch.id)
     assert batch.status == "completed", batch
     assert (batch.request_counts.completed, batch.request_counts.failed) == (8, 0)
@@ -96,7 +111,12 @@ async def test_an_openai_batch_runs_to_completion_on_a_cluster(url, cluster):
 
 
 def message_params(prompt: str, max_tokens: int = 4) -> dict[str, Any]:
-    return {"model": REAL_MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}], "temperature": 0}
+    return {
+        "model": REAL_MODEL,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+    }
 
 
 async def message_batch_end(client: anthropic.AsyncAnthropic, batch_id: str):
@@ -122,9 +142,14 @@ async def test_cancelling_on_a_cluster_withdraws_runs_and_cancels_the_rest(clust
     """The paths a single Redis forgives: a withdrawal publishes a cancellation (a cluster pipeline
     refuses PUBLISH), and unstarted items are recorded by a pipelined script (a cluster pipeline
     does not load scripts)."""
-    async with cluster_worker(cluster_url, slow(tiny, 0.05), max_seqs=2), running_gateway(cluster_url, batch_in_flight=4) as url:
+    async with (
+        cluster_worker(cluster_url, slow(tiny, 0.05), max_seqs=2),
+        running_gateway(cluster_url, batch_in_flight=4) as url,
+    ):
         client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
-        batch = await client.messages.batches.create(requests=[{"custom_id": f"c{i}", "params": message_params(f"Count {i}", 6)} for i in range(24)])
+        batch = await client.messages.batches.create(
+            requests=[{"custom_id": f"c{i}", "params": message_params(f"Count {i}", 6)} for i in range(24)]
+        )
 
         async def some_done():
             return (await client.messages.batches.retrieve(batch.id)).request_counts.succeeded >= 2

@@ -17,7 +17,16 @@ from collections import Counter
 import openai
 import pytest
 from batch_support import jsonl, poll
-from fault_support import GATEWAY_SETTINGS, LMQ, MODEL, Stack, StackSpec, _clean_environment, eventually, expected_answers
+from fault_support import (
+    GATEWAY_SETTINGS,
+    LMQ,
+    MODEL,
+    Stack,
+    StackSpec,
+    _clean_environment,
+    eventually,
+    expected_answers,
+)
 
 import protocol
 from lmq.redis_server import free_tcp_port
@@ -42,7 +51,13 @@ def start_gateway(stack: Stack, **settings: str) -> str:
 
 
 def line(index: int) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Item {index}: the quick brown fox"}], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Item {index}: the quick brown fox"}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     return {"custom_id": f"item-{index}", "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
@@ -57,19 +72,25 @@ async def stack(tmp_path, tiny_model_dir):
 
 
 async def test_a_batch_completes_exactly_once_across_a_worker_and_a_gateway_killed_mid_way(stack, tiny):
-    expected = await expected_answers(tiny, [line(i)["body"]["messages"][0]["content"] for i in range(ITEMS)], MAX_TOKENS)
+    expected = await expected_answers(
+        tiny, [line(i)["body"]["messages"][0]["content"] for i in range(ITEMS)], MAX_TOKENS
+    )
     first = start_gateway(stack, LMQ_BATCH_IN_FLIGHT="8")
     await stack.wait_ready()
     client = openai.AsyncOpenAI(base_url=stack.gateway_urls[first] + "/v1", api_key="unused", max_retries=0)
     upload = await client.files.create(file=("items.jsonl", jsonl([line(i) for i in range(ITEMS)])), purpose="batch")
-    batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = await client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
 
     async def some_answered():
         counts = (await client.batches.retrieve(batch.id)).request_counts
         return counts.completed >= 10
 
     await poll(some_answered, what="10 answered items")
-    holders = stack.admin.xpending_range(protocol.request_stream(MODEL, "batch"), REQUEST_GROUP, min="-", max="+", count=100)
+    holders = stack.admin.xpending_range(
+        protocol.request_stream(MODEL, "batch"), REQUEST_GROUP, min="-", max="+", count=100
+    )
     victim = holders[0]["consumer"].decode()
     stack.kill_worker(victim)
     stack.processes.signal(first, signal.SIGKILL)
@@ -93,8 +114,12 @@ async def test_a_batch_completes_exactly_once_across_a_worker_and_a_gateway_kill
         index = int(answer["custom_id"].removeprefix("item-"))
         prompt = line(index)["body"]["messages"][0]["content"]
         body = answer["response"]["body"]
-        assert body["choices"][0]["message"]["content"] == expected[prompt].text, f"{answer['custom_id']}: not the undisturbed answer"
+        assert body["choices"][0]["message"]["content"] == expected[prompt].text, (
+            f"{answer['custom_id']}: not the undisturbed answer"
+        )
         assert body["usage"]["completion_tokens"] == MAX_TOKENS
-    await eventually(lambda: stack.admin.xlen(protocol.request_stream(MODEL, "batch")) == 0, "an empty batch stream", 10, stack)
+    await eventually(
+        lambda: stack.admin.xlen(protocol.request_stream(MODEL, "batch")) == 0, "an empty batch stream", 10, stack
+    )
     assert not stack.admin.exists(batch_key(batch.id, "inflight"))
     assert f"driving batch {batch.id}" in stack.processes.log_text(second)  # the second gateway took it over

@@ -89,7 +89,10 @@ async def test_a_64_mib_upload_and_the_batch_made_from_it_never_stall_the_loop(r
             if client.returncode is None:
                 client.kill()
             await client.wait()
-    assert created == {"status": "validating", "total": count, "bytes": path.stat().st_size} or created["status"] == "in_progress", created
+    assert (
+        created == {"status": "validating", "total": count, "bytes": path.stat().st_size}
+        or created["status"] == "in_progress"
+    ), created
     assert upload_stall < MAX_STALL_S, f"the loop stalled {upload_stall * 1000:.0f} ms during the upload"
     assert create_stall < MAX_STALL_S, f"the loop stalled {create_stall * 1000:.0f} ms while the batch was made"
 
@@ -112,7 +115,9 @@ async def test_a_64_mib_message_batch_never_stalls_the_loop(redis_url, redis_cli
     path.write_text(json.dumps({"requests": [{"custom_id": f"c-{i:05d}", "params": params} for i in range(count)]}))
     async with running_gateway(redis_url) as url:
         stalls = Stalls()
-        client = await asyncio.create_subprocess_exec(sys.executable, "-c", POST_BODY, url, str(path), stdout=asyncio.subprocess.PIPE)
+        client = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", POST_BODY, url, str(path), stdout=asyncio.subprocess.PIPE
+        )
         try:
             status = (await asyncio.wait_for(client.stdout.readline(), 300)).strip()
             await asyncio.sleep(1.0)
@@ -142,7 +147,9 @@ def test_a_file_of_millions_of_bad_lines_is_refused_in_bounded_memory():
     assert peak < 1 << 20, f"{peak / 2**20:.1f} MiB kept while parsing"
     many = b"".join(json.dumps(chat_line(f"c{i}", "hi")).encode() + b"\n" for i in range(config.batch_max_items + 1))
     parsed = parse._openai_file(limits, many, ("/v1/chat/completions",))
-    assert [error.message for error in parsed.errors] == [f"the batch has more than {config.batch_max_items} requests; a batch may have at most {config.batch_max_items}"]
+    assert [error.message for error in parsed.errors] == [
+        f"the batch has more than {config.batch_max_items} requests; a batch may have at most {config.batch_max_items}"
+    ]
 
 
 def test_an_anthropic_body_is_read_a_request_at_a_time_and_its_shape_checked():
@@ -150,7 +157,17 @@ def test_an_anthropic_body_is_read_a_request_at_a_time_and_its_shape_checked():
     body = ' { "note" : {"a": [1, 2]}, "requests" : [ {"custom_id": "a"} , [], 3 ] ,"z":null } \n'
     assert list(parse._requests(body)) == [(0, {"custom_id": "a"}), (1, []), (2, 3)]
     assert list(parse._requests('{"requests": []}')) == []
-    for bad in ("", "[]", '{"requests": 5}', '{"other": 1}', '{"requests": [1,]}', '{"requests": [1]} x', '{"requests": [1]', "{1: 2}", '{"requests": [], "requests": []}'):
+    for bad in (
+        "",
+        "[]",
+        '{"requests": 5}',
+        '{"other": 1}',
+        '{"requests": [1,]}',
+        '{"requests": [1]} x',
+        '{"requests": [1]',
+        "{1: 2}",
+        '{"requests": [], "requests": []}',
+    ):
         try:
             list(parse._requests(bad))
         except ValueError:

@@ -23,7 +23,9 @@ def client_for(url: str) -> openai.AsyncOpenAI:
 async def create(client: openai.AsyncOpenAI, count: int, max_tokens: int = 4):
     lines = [chat_line(f"r{i}", f"Say {i}", max_tokens=max_tokens) for i in range(count)]
     upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-    return await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    return await client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
 
 
 async def test_items_whose_queue_entries_vanished_run_again(redis_url, redis_client, tiny):
@@ -40,7 +42,11 @@ async def test_items_whose_queue_entries_vanished_run_again(redis_url, redis_cli
 
         async def enqueued_again():
             runs = await redis_client.hvals(batch_key(batch.id, "inflight"))
-            return len(runs) == 6 and all(run.startswith(b"2 ") for run in runs) and await redis_client.xlen(BATCH_STREAM) == 6
+            return (
+                len(runs) == 6
+                and all(run.startswith(b"2 ") for run in runs)
+                and await redis_client.xlen(BATCH_STREAM) == 6
+            )
 
         await poll(enqueued_again, what="every item enqueued again, as attempt 2")
         async with real_worker(redis_url, tiny):

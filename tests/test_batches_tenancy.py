@@ -27,7 +27,10 @@ def anthropic_client(url: str, key: str) -> anthropic.AsyncAnthropic:
 
 
 def message_request(custom_id: str, max_tokens: int = 6) -> dict:
-    return {"custom_id": custom_id, "params": {"model": REAL_MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": custom_id}]}}
+    return {
+        "custom_id": custom_id,
+        "params": {"model": REAL_MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": custom_id}]},
+    }
 
 
 async def not_found(call) -> None:
@@ -36,10 +39,17 @@ async def not_found(call) -> None:
 
 
 async def test_another_key_can_neither_see_nor_use_nor_remove_a_keys_files_and_batches(redis_url, redis_client, tiny):
-    async with real_worker(redis_url, slow(tiny, 0.05), max_seqs=2), running_gateway(redis_url, api_keys=f"{KEY_A},{KEY_B}", batch_in_flight=2) as url:
+    async with (
+        real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
+        running_gateway(redis_url, api_keys=f"{KEY_A},{KEY_B}", batch_in_flight=2) as url,
+    ):
         a, b = openai_client(url, KEY_A), openai_client(url, KEY_B)
-        upload = await a.files.create(file=("in.jsonl", jsonl([chat_line(f"q{i}", f"Say {i}", max_tokens=6) for i in range(8)])), purpose="batch")
-        batch = await a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        upload = await a.files.create(
+            file=("in.jsonl", jsonl([chat_line(f"q{i}", f"Say {i}", max_tokens=6) for i in range(8)])), purpose="batch"
+        )
+        batch = await a.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         a_msgs, b_msgs = anthropic_client(url, KEY_A), anthropic_client(url, KEY_B)
         message_batch = await a_msgs.messages.batches.create(requests=[message_request(f"m{i}") for i in range(8)])
 
@@ -48,7 +58,9 @@ async def test_another_key_can_neither_see_nor_use_nor_remove_a_keys_files_and_b
         await not_found(b.files.retrieve(upload.id))
         await not_found(b.files.content(upload.id))
         await not_found(b.files.delete(upload.id))
-        await not_found(b.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"))
+        await not_found(
+            b.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        )
         await not_found(b.batches.retrieve(batch.id))
         await not_found(b.batches.cancel(batch.id))
         await not_found(b_msgs.messages.batches.retrieve(message_batch.id))
@@ -87,7 +99,9 @@ async def test_without_keys_every_client_shares_one_anonymous_owner(redis_url, t
         a, b = openai_client(url, "whatever-a"), openai_client(url, "whatever-b")
         upload = await a.files.create(file=("in.jsonl", jsonl([chat_line("x", "hi")])), purpose="batch")
         assert [f.id async for f in b.files.list()] == [upload.id]
-        batch = await b.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = await b.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         assert (await openai_batch_end(a, batch.id)).status == "completed"
 
 
@@ -110,14 +124,23 @@ async def test_a_malformed_id_in_the_url_is_a_404_and_never_reaches_redis(redis_
     async with real_worker(redis_url, tiny), running_gateway(redis_url) as url:
         client = openai_client(url, "unused")
         upload = await client.files.create(file=("in.jsonl", jsonl([chat_line("x", "hi")])), purpose="batch")
-        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = await client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         message_batch = await anthropic_client(url, "unused").messages.batches.create(requests=[message_request("m")])
         async with aiohttp.ClientSession() as http:
             target = url + path.format(file=upload.id, batch=batch.id, msgbatch=message_batch.id)
             async with http.request(method, target) as response:
                 assert response.status == 404, await response.text()
                 assert "error" in await response.json()
-            async with http.post(f"{url}/v1/batches", json={"input_file_id": f"{upload.id}:data", "endpoint": "/v1/chat/completions", "completion_window": "24h"}) as response:
+            async with http.post(
+                f"{url}/v1/batches",
+                json={
+                    "input_file_id": f"{upload.id}:data",
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h",
+                },
+            ) as response:
                 assert response.status == 404, await response.text()
         await openai_batch_end(client, batch.id)
 
@@ -125,11 +148,16 @@ async def test_a_malformed_id_in_the_url_is_a_404_and_never_reaches_redis(redis_
 async def test_a_batch_counts_against_its_keys_token_limit_and_waits_for_the_budget(redis_url, redis_client, tiny):
     """A key limited to 100 tokens a minute ran 10,000 through a batch and was charged 32 (issue 28, item 7):
     now each item's real tokens are charged to the batch's key, and items wait while the key is over."""
-    async with real_worker(redis_url, tiny), running_gateway(redis_url, api_keys=KEY_A, rate_limit_tokens=100, batch_in_flight=8) as url:
+    async with (
+        real_worker(redis_url, tiny),
+        running_gateway(redis_url, api_keys=KEY_A, rate_limit_tokens=100, batch_in_flight=8) as url,
+    ):
         client = openai_client(url, KEY_A)
         lines = [chat_line(f"t{i}", f"Count to {i}", max_tokens=8) for i in range(12)]  # about 25 tokens each
         upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = await client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         counter = rate_limit_key(key_digest(KEY_A), "tokens")
 
         async def stalled():
@@ -140,7 +168,9 @@ async def test_a_batch_counts_against_its_keys_token_limit_and_waits_for_the_bud
 
         await poll(stalled, what="the key's budget to be spent")
         with pytest.raises(openai.RateLimitError):  # the batch spent the key's budget for live requests too
-            await client.chat.completions.create(model=REAL_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            await client.chat.completions.create(
+                model=REAL_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
         await asyncio.sleep(1.0)  # the last runs' outcomes recorded (their entries are gone before that)
         before = await client.batches.retrieve(batch.id)
         await asyncio.sleep(2.0)
@@ -149,7 +179,12 @@ async def test_a_batch_counts_against_its_keys_token_limit_and_waits_for_the_bud
         assert finished == before.request_counts.completed + before.request_counts.failed < 12  # nothing ran while over
         charged = int(await redis_client.getdel(counter))  # the window "resets": the batch goes on
         assert charged == paused.usage.total_tokens  # every finished item's real tokens, no more, no less
-        while (batch := await client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled", "expired"):
+        while (batch := await client.batches.retrieve(batch.id)).status not in (
+            "completed",
+            "failed",
+            "cancelled",
+            "expired",
+        ):
             await poll(stalled, what="the key's budget to be spent again, or the batch to end")
             charged += int(await redis_client.getdel(counter) or 0)
     assert batch.status == "completed" and batch.request_counts.completed == 12

@@ -21,7 +21,11 @@ def test_level_figures_per_10k_tokens_utilisation_and_command_ranking():
     results = [RequestResult(start=0.0, first_token=0.1, end=2.0, output_tokens=2500) for _ in range(4)]
     summary = summarize(4, results, wall_s=2.0)  # 10,000 tokens in 2 s
     cpu_s = {"redis": 0.5, "gateway": 2.0, "worker": 3.0, "client": 1.0}
-    commands = {"publish": {"calls": 300, "usec": 20_000}, "evalsha": {"calls": 100, "usec": 90_000}, "xadd": {"calls": 4, "usec": 100}}
+    commands = {
+        "publish": {"calls": 300, "usec": 20_000},
+        "evalsha": {"calls": 100, "usec": 90_000},
+        "xadd": {"calls": 4, "usec": 100},
+    }
     level = redis_saturation.level_figures(summary, cpu_s, commands, gateways=2, workers=3, cores_busy=1.0)
 
     assert level["output_tok_s"] == pytest.approx(5000.0)
@@ -51,9 +55,15 @@ def test_limit_names_the_full_machine_first_then_the_busiest_process():
 
 
 def test_cluster_nodes_get_shares_and_the_busiest_node_decides_the_limit():
-    summary = summarize(4, [RequestResult(start=0.0, first_token=0.1, end=2.0, output_tokens=2500) for _ in range(4)], wall_s=2.0)
+    summary = summarize(
+        4, [RequestResult(start=0.0, first_token=0.1, end=2.0, output_tokens=2500) for _ in range(4)], wall_s=2.0
+    )
     cpu_s = {"redis": 2.4, "gateway": 0.2, "worker": 0.2, "client": 0.2}
-    per_node = [{"evalsha": {"calls": 50, "usec": 9_000}, "publish": {"calls": 10, "usec": 100}}, {"evalsha": {"calls": 30, "usec": 4_000}}, {}]
+    per_node = [
+        {"evalsha": {"calls": 50, "usec": 9_000}, "publish": {"calls": 10, "usec": 100}},
+        {"evalsha": {"calls": 30, "usec": 4_000}},
+        {},
+    ]
     nodes = [(1.9, per_node[0]), (0.4, per_node[1]), (0.1, per_node[2])]
     commands = redis_saturation.summed(per_node)
     level = redis_saturation.level_figures(summary, cpu_s, commands, gateways=1, workers=1, cores_busy=1.0, nodes=nodes)
@@ -105,7 +115,10 @@ def test_the_smallest_real_run_reports_every_figure(tmp_path):
     assert commands["evalsha"]["calls"] > 0, "the workers' step script runs as EVALSHA"
     assert commands["xadd"]["calls"] >= 4, "each request was appended to the request stream"
     assert report["redis_server"] and report["command"].startswith("python bench/redis_saturation.py")
-    assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == ["saturation-gateway-0.log", "saturation-worker-0.log"]
+    assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == [
+        "saturation-gateway-0.log",
+        "saturation-worker-0.log",
+    ]
 
 
 @pytest.mark.slow
@@ -119,12 +132,16 @@ def test_a_cluster_run_reports_every_node_and_spreads_the_step_scripts_over_all_
     [level] = report["levels"]
     assert (level["completed"], level["errors"], level["output_tokens"]) == (24, 0, 96)
     nodes = level["redis_nodes"]
-    assert len(nodes) == 3 and all(set(node) == {"cpu_s", "utilisation", "cpu_share", "evalsha_calls"} for node in nodes)
+    assert len(nodes) == 3 and all(
+        set(node) == {"cpu_s", "utilisation", "cpu_share", "evalsha_calls"} for node in nodes
+    )
     if level["cpu_s"]["redis"] > 0:  # CPU time is counted in clock ticks (10 ms): a short level may show none
         assert sum(node["cpu_share"] for node in nodes) == pytest.approx(1.0)
     assert level["redis_max_node_utilisation"] == max(node["utilisation"] for node in nodes)
     assert all(node["evalsha_calls"] > 0 for node in nodes), f"24 requests over 6 shards reach every primary: {nodes}"
     commands = {c["command"]: c for c in level["redis_commands"]}
-    assert commands["evalsha"]["calls"] == sum(node["evalsha_calls"] for node in nodes), "the commandstats are summed over the nodes"
+    assert commands["evalsha"]["calls"] == sum(node["evalsha_calls"] for node in nodes), (
+        "the commandstats are summed over the nodes"
+    )
     assert commands["xadd"]["calls"] >= 24, "each request was appended to its shard's request stream"
     assert report["redis_server"].startswith("valkey")

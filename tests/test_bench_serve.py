@@ -71,7 +71,9 @@ class FakeOpenAI:
             self.probes.append(body["messages"])
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 1, "total_tokens": prompt_tokens + 1}
             message = {"role": "assistant", "content": "ok"}
-            return web.json_response({"choices": [{"index": 0, "message": message, "finish_reason": "length"}], "usage": usage})
+            return web.json_response(
+                {"choices": [{"index": 0, "message": message, "finish_reason": "length"}], "usage": usage}
+            )
         self.streams.append(body)
         if self.stall == "stream":
             await self.release.wait()
@@ -92,7 +94,11 @@ class FakeOpenAI:
         for i in range(count):
             await asyncio.sleep(self.token_delay_s)
             await send({"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]})
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": count, "prompt_tokens_details": {"cached_tokens": 0}}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": count,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         await send({"choices": [], "usage": usage})
         await send("[DONE]")
         return response
@@ -161,7 +167,9 @@ async def run_cli(args: list[str]) -> tuple[int, dict]:
         except TimeoutError:
             frame = sys._current_frames().get(thread.ident)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the thread has ended)"
-            error = AssertionError(f"bench/serve.py did not finish within {RUN_DEADLINE_S} s; its thread is at:\n{stack}")
+            error = AssertionError(
+                f"bench/serve.py did not finish within {RUN_DEADLINE_S} s; its thread is at:\n{stack}"
+            )
             _describe_the_server(error)
             raise error from None
         except BaseException as error:
@@ -186,7 +194,10 @@ def _describe_the_server(error: BaseException) -> None:
             for handle in filter(None, key.data or ()):
                 owner = getattr(getattr(handle, "_callback", None), "__self__", None)
                 sock = getattr(owner, "_sock", None)
-                watched.append(f"fd {fd}: {type(owner).__name__}" + ("" if sock is None or sock.fileno() == fd else f" STALE (its socket is now fd {sock.fileno()})"))
+                watched.append(
+                    f"fd {fd}: {type(owner).__name__}"
+                    + ("" if sock is None or sock.fileno() == fd else f" STALE (its socket is now fd {sock.fileno()})")
+                )
         error.add_note(f"file descriptors the loop watches: {watched}")
     except Exception as exc:  # noqa: BLE001 - a diagnostic must not hide the failure
         error.add_note(f"(could not list the loop's selector: {exc!r})")
@@ -261,7 +272,9 @@ async def test_levels_prompts_and_report(fake_server):
 
 async def test_without_ignore_eos_the_server_decides_the_length(fake_server):
     fake, url = fake_server
-    code, report = await run_cli(["--url", url, "--concurrency", "2", "--requests", "2", "--warmup", "0", "--max-tokens", "6"])
+    code, report = await run_cli(
+        ["--url", url, "--concurrency", "2", "--requests", "2", "--warmup", "0", "--max-tokens", "6"]
+    )
     assert code == 0
     assert report["levels"][0]["output_tokens"] == 2 * NATURAL_ANSWER
     assert all("ignore_eos" not in body for body in fake.streams)
@@ -270,7 +283,9 @@ async def test_without_ignore_eos_the_server_decides_the_length(fake_server):
 @pytest.mark.parametrize("fake_server", [{"fail_every": 2}], indirect=True)
 async def test_failed_requests_are_counted(fake_server):
     fake, url = fake_server
-    code, report = await run_cli(["--url", url, "--concurrency", "2", "--requests", "4", "--warmup", "0", "--max-tokens", "3"])
+    code, report = await run_cli(
+        ["--url", url, "--concurrency", "2", "--requests", "4", "--warmup", "0", "--max-tokens", "3"]
+    )
     level = report["levels"][0]
     assert code == 0
     assert (level["completed"], level["errors"]) == (2, 2)
@@ -304,7 +319,9 @@ async def test_system_prefix_modes(fake_server, mode):
 async def test_a_target_that_never_answers_is_a_prompt_error_not_a_hang(fake_server):
     fake, url = fake_server
     with pytest.raises(RuntimeError, match="no answer within 0.5 s"):
-        await run_cli(["--url", url, "--concurrency", "1", "--requests", "1", "--warmup", "0", "--probe-timeout", "0.5"])
+        await run_cli(
+            ["--url", url, "--concurrency", "1", "--requests", "1", "--warmup", "0", "--probe-timeout", "0.5"]
+        )
 
 
 @pytest.mark.parametrize("fake_server", [{"stall": "stream"}], indirect=True)

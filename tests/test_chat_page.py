@@ -26,14 +26,21 @@ LAST_ANSWER = ".message.assistant:last-of-type"
 
 
 def chromium_executable() -> str | None:
-    candidates = [os.environ.get("LMQ_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"), shutil.which("chromium-browser")]
+    candidates = [
+        os.environ.get("LMQ_CHROMIUM"),
+        "/usr/bin/chromium",
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+    ]
     return next((path for path in candidates if path and os.access(path, os.X_OK)), None)
 
 
 def finished(worker, outcome: str) -> float:
     """Requests the worker finished with this outcome (whatever other labels the counter has)."""
     samples = [sample for metric in worker.metrics.finished.collect() for sample in metric.samples]
-    return sum(sample.value for sample in samples if sample.name.endswith("_total") and sample.labels.get("outcome") == outcome)
+    return sum(
+        sample.value for sample in samples if sample.name.endswith("_total") and sample.labels.get("outcome") == outcome
+    )
 
 
 async def test_the_page_is_public_while_the_api_keeps_its_keys(redis_url) -> None:
@@ -71,7 +78,9 @@ def save_artifact(png: bytes, tmp_path: Path, name: str) -> Path:
 
 @pytest.mark.timeout(90)
 async def test_chat_in_a_real_browser_streams_counts_and_stops(redis_url, tiny, tmp_path) -> None:
-    playwright = pytest.importorskip("playwright.async_api", reason="Playwright is not installed: pip install playwright")
+    playwright = pytest.importorskip(
+        "playwright.async_api", reason="Playwright is not installed: pip install playwright"
+    )
     executable = chromium_executable()
     if executable is None:
         pytest.skip("no Chromium executable: apt-get install -y chromium (or set LMQ_CHROMIUM)")
@@ -88,7 +97,12 @@ async def test_chat_in_a_real_browser_streams_counts_and_stops(redis_url, tiny, 
         page = await browser.new_page(viewport={"width": 1200, "height": 760})
         try:
             page.on("pageerror", lambda error: page_errors.append(str(error)))
-            page.on("request", lambda request: posted.append(request.post_data_json) if request.url.endswith("/v1/chat/completions") else None)
+            page.on(
+                "request",
+                lambda request: (
+                    posted.append(request.post_data_json) if request.url.endswith("/v1/chat/completions") else None
+                ),
+            )
             expect = playwright.expect
             await page.goto(url + "/")
 

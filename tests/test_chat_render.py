@@ -12,7 +12,10 @@ from worker.chat_render import render_chat, tool_calls_grammar
 from worker.grammar import GrammarCompiler
 from worker.model.chat_template import ChatTemplate
 
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 # A template that shows tools itself, as Qwen's do (shortened).
 TOOLS_TEMPLATE = (
@@ -46,13 +49,20 @@ def test_a_template_without_tools_gets_them_in_a_hermes_system_prompt(tiny):
 
 def test_a_template_with_tools_gets_them_and_the_calls_arguments_as_a_map(tiny):
     model = dataclasses.replace(tiny, chat_template=ChatTemplate(TOOLS_TEMPLATE))
-    text = render_chat(model, [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], tools=[TOOL])
+    text = render_chat(
+        model,
+        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}],
+        tools=[TOOL],
+    )
     assert text.startswith("<tools>get_weather;</tools>")
     assert '<call>get_weather {"city": "Paris"}</call>' in text
 
 
 def test_a_final_assistant_message_is_continued(tiny):
-    messages = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "The capital of France is"}]
+    messages = [
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
     text = render_chat(tiny, messages, continue_final=True)
     assert text.endswith("<|im_start|>assistant\nThe capital of France is")
     closed = render_chat(tiny, messages)
@@ -72,7 +82,12 @@ def test_the_tool_calls_grammar_compiles_and_admits_a_hermes_call(tiny):
     matcher = compiler.matcher(constraint, ids)
     assert matcher.error is None and not matcher.finished
     assert matcher.consume(min(tiny.stop_token_ids)) and matcher.finished  # the call may end the answer
-    broken = compiler.matcher(constraint, tiny.tokenizer.encode(text.replace("Paris", "Paris\u0000"), add_special_tokens=False).ids[:-1])
+    broken = compiler.matcher(
+        constraint, tiny.tokenizer.encode(text.replace("Paris", "Paris\u0000"), add_special_tokens=False).ids[:-1]
+    )
     assert broken.error is not None  # a control character inside a JSON string is refused
     wrong_tool = compiler.matcher(constraint)
-    assert not all(wrong_tool.consume(i) for i in tiny.tokenizer.encode('<tool_call>\n{"name": "other"', add_special_tokens=False).ids)
+    assert not all(
+        wrong_tool.consume(i)
+        for i in tiny.tokenizer.encode('<tool_call>\n{"name": "other"', add_special_tokens=False).ids
+    )

@@ -23,10 +23,6 @@ import msgpack
 import openai
 import pytest
 import redis
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, ResponseError
-
-import protocol
 from cluster_support import ClusterStack
 from fault_support import (
     CLAIM_IDLE_MS,
@@ -45,6 +41,10 @@ from fault_support import (
     stream_all,
     streaming,
 )
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, ResponseError
+
+import protocol
 from lmq.redis_cluster import EmbeddedCluster
 from protocol.keys import sharded
 
@@ -63,7 +63,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def stack(cluster: EmbeddedCluster, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
-    built = ClusterStack(cluster, StackSpec("cluster", workers=2, gateways=1), tmp_path_factory.mktemp("cluster-stack"), tiny_model_dir)
+    built = ClusterStack(
+        cluster, StackSpec("cluster", workers=2, gateways=1), tmp_path_factory.mktemp("cluster-stack"), tiny_model_dir
+    )
     try:
         yield built
     finally:
@@ -87,7 +89,10 @@ async def pool(tiny) -> PromptPool:
 def test_the_cluster_splits_the_slots_and_each_primary_serves_two_shards(cluster):
     assert cluster.url == f"redis+cluster://{','.join(f'127.0.0.1:{port}' for port in cluster.ports)}/?shards={SHARDS}"
     with cluster.nodes[1].client(decode_responses=True) as client:
-        slots = sorted((int(first), int(last), int(owner[1])) for first, last, owner, *_ in client.execute_command("CLUSTER", "SLOTS"))
+        slots = sorted(
+            (int(first), int(last), int(owner[1]))
+            for first, last, owner, *_ in client.execute_command("CLUSTER", "SLOTS")
+        )
     assert slots == [(0, 5460, cluster.ports[0]), (5461, 10922, cluster.ports[1]), (10923, 16383, cluster.ports[2])]
     owners = [cluster.node_of(shard.request_stream(MODEL)) for shard in sharded(SHARDS).shards]
     assert owners == [0, 0, 1, 1, 2, 2]
@@ -103,7 +108,9 @@ async def test_a_script_on_one_shard_runs_and_its_publish_reaches_a_subscriber_o
     subscription = client.pubsub()
     try:
         await subscription.subscribe(channel)
-        script = client.register_script("redis.call('XADD', KEYS[1], '*', 'k', 'v'); return redis.call('PUBLISH', ARGV[1], KEYS[1])")
+        script = client.register_script(
+            "redis.call('XADD', KEYS[1], '*', 'k', 'v'); return redis.call('PUBLISH', ARGV[1], KEYS[1])"
+        )
         # A cluster delivers a PUBLISH over its bus links, which may still be coming up just after the
         # cluster reports ok: each shard publishes again, every second, until it is heard (10 s at most).
         heard: set[str] = set()
@@ -121,7 +128,9 @@ async def test_a_script_on_one_shard_runs_and_its_publish_reaches_a_subscriber_o
         await subscription.aclose()
         await client.aclose()
     for shard in layout.shards:
-        assert shard.key("test:s") in cluster.keys_on(cluster.node_of(shard.key("test:s")))  # deleted by the next prepare()
+        assert shard.key("test:s") in cluster.keys_on(
+            cluster.node_of(shard.key("test:s"))
+        )  # deleted by the next prepare()
 
 
 # ---------------------------------------------------------------- the OpenAI SDK through a gateway and two workers
@@ -132,7 +141,9 @@ async def test_openai_sdk_answers_arrive_whole_and_each_request_lands_in_its_sha
     expected = pool.take(8)
     prompts = list(expected)
     added_before = {stream: stack.entries_added(stream) for stream in stack.streams}
-    client = openai.AsyncOpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    client = openai.AsyncOpenAI(
+        base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
     options = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
 
     async def whole(prompt: str) -> tuple[str, str, str, object]:
@@ -140,10 +151,14 @@ async def test_openai_sdk_answers_arrive_whole_and_each_request_lands_in_its_sha
         return answer.id, answer.choices[0].message.content, answer.choices[0].finish_reason, answer.usage
 
     async def streamed(prompt: str) -> tuple[str, str, str, object]:
-        stream = await client.chat.completions.create(messages=chat_messages(prompt), stream=True, stream_options={"include_usage": True}, **options)
+        stream = await client.chat.completions.create(
+            messages=chat_messages(prompt), stream=True, stream_options={"include_usage": True}, **options
+        )
         chunks = [chunk async for chunk in stream]
         text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-        finish = next(chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason)
+        finish = next(
+            chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason
+        )
         assert len({chunk.id for chunk in chunks}) == 1
         return chunks[0].id, text, finish, chunks[-1].usage
 
@@ -151,8 +166,15 @@ async def test_openai_sdk_answers_arrive_whole_and_each_request_lands_in_its_sha
     await client.close()
     problems = []
     for prompt, (request_id, text, finish, usage) in zip(prompts, answers):
-        if text != expected[prompt].text or finish != "length" or usage is None or usage.completion_tokens != MAX_TOKENS:
-            problems.append(f"{request_id} {prompt!r}: text={text!r} finish={finish} usage={usage}\n  expected {expected[prompt].text!r}")
+        if (
+            text != expected[prompt].text
+            or finish != "length"
+            or usage is None
+            or usage.completion_tokens != MAX_TOKENS
+        ):
+            problems.append(
+                f"{request_id} {prompt!r}: text={text!r} finish={finish} usage={usage}\n  expected {expected[prompt].text!r}"
+            )
     assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
 
     # Each request went to the shard its id hashes to (the completion's id is the request's id).
@@ -175,7 +197,9 @@ async def test_the_gateway_listens_on_one_sharded_channel_per_shard_on_the_prima
     for index, node in enumerate(cluster.nodes):
         with node.client(decode_responses=True) as client:
             heard[index] = set(client.execute_command("PUBSUB", "SHARDCHANNELS", "lmq:*"))
-            assert not [channel for channel in client.execute_command("PUBSUB", "CHANNELS", "lmq:reply:*")], "a plain reply channel"
+            assert not [channel for channel in client.execute_command("PUBSUB", "CHANNELS", "lmq:reply:*")], (
+                "a plain reply channel"
+            )
     channels = {channel for node_channels in heard.values() for channel in node_channels}
     assert len(channels) == SHARDS * len(stack.gateways), heard
     for shard in stack.layout.shards:
@@ -190,7 +214,11 @@ async def test_the_request_path_is_spread_over_every_primary_with_no_untagged_ke
     # Ids chosen so that every shard gets two: the streams of all K shards, on all three primaries, fill.
     ids: list[str] = []
     for shard in layout.shards:
-        ids += [request_id for request_id in (f"spread-{uuid.uuid4().hex}" for _ in range(1000)) if layout.for_request(request_id) == shard][:2]
+        ids += [
+            request_id
+            for request_id in (f"spread-{uuid.uuid4().hex}" for _ in range(1000))
+            if layout.for_request(request_id) == shard
+        ][:2]
     assert len(ids) == 2 * SHARDS
     keys = {request_id: layout.for_request(request_id).key(f"reply:test:{request_id}") for request_id in ids}
     added_before = {stream: stack.entries_added(stream) for stream in stack.streams}
@@ -209,23 +237,32 @@ async def test_the_request_path_is_spread_over_every_primary_with_no_untagged_ke
         events = [protocol.decode_map(fields[b"msg"]) for _, fields in stack.admin.xrange(key)]
         assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 16, (request_id, events[-1])
 
-    assert {stream: stack.entries_added(stream) - added_before[stream] for stream in stack.streams} == dict.fromkeys(stack.streams, 2)
+    assert {stream: stack.entries_added(stream) - added_before[stream] for stream in stack.streams} == dict.fromkeys(
+        stack.streams, 2
+    )
     streams_by_node: dict[int, set[str]] = {}
     for key, node in seen.items():
         assert cluster.node_of(key) == node, f"{key} on node {node}"
         if key.endswith(f":req:{MODEL}"):
             streams_by_node.setdefault(node, set()).add(key)
-    assert streams_by_node == {node: {stream for stream in stack.streams if cluster.node_of(stream) == node} for node in range(3)}
+    assert streams_by_node == {
+        node: {stream for stream in stack.streams if cluster.node_of(stream) == node} for node in range(3)
+    }
     assert {cluster.node_of(stream) for stream in stack.streams} == {0, 1, 2}
     untagged = sorted(key for key in seen if key.startswith("lmq:") and not key.startswith("lmq:{"))
     assert not untagged, f"lmq keys outside every shard: {untagged}"
     # The per-request keys of the run (holder, progress) are those of the request's own shard.
     per_request = [key for key in seen if ":holder:" in key or ":progress:" in key]
-    assert any(request_id in key for key in per_request for request_id in ids), f"no holder or progress key seen: {sorted(seen)}"
+    assert any(request_id in key for key in per_request for request_id in ids), (
+        f"no holder or progress key seen: {sorted(seen)}"
+    )
     for key in per_request:
         request_id = key.rpartition(":")[2]
         if request_id in keys:
-            assert key in (layout.for_request(request_id).holder_key(request_id), layout.for_request(request_id).progress_key(request_id)), key
+            assert key in (
+                layout.for_request(request_id).holder_key(request_id),
+                layout.for_request(request_id).progress_key(request_id),
+            ), key
     assert stack.heartbeating() and all(cluster.node_of(layout.home.worker_key(name)) == 0 for name in stack.workers)
 
 
@@ -272,7 +309,9 @@ async def test_a_foreign_producer_on_a_cluster_gets_pubsub_and_tagged_stream_rep
         try:
             await asyncio.wait_for(asyncio.gather(listen(), read_stream()), CLIENT_TIMEOUT_S)
         except TimeoutError:
-            pytest.fail(f"no end within {CLIENT_TIMEOUT_S} s: heard {heard[-2:]}, read {read[-2:]}, dead letters {stack.dead_letters()}\n{stack.log_tails()}")
+            pytest.fail(
+                f"no end within {CLIENT_TIMEOUT_S} s: heard {heard[-2:]}, read {read[-2:]}, dead letters {stack.dead_letters()}\n{stack.log_tails()}"
+            )
     finally:
         await subscription.aclose()
         await producer.aclose()
@@ -281,7 +320,9 @@ async def test_a_foreign_producer_on_a_cluster_gets_pubsub_and_tagged_stream_rep
     for name, events, answer in (("pubsub", heard, answer_a), ("stream", read, answer_b)):
         assert_contiguous(events, name)
         assert delta_tokens(events) == answer.token_ids, f"{name}: {events}\n{context}"
-        assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == MAX_TOKENS, f"{name}: {events[-1]}"
+        assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == MAX_TOKENS, (
+            f"{name}: {events[-1]}"
+        )
     assert cluster.node_of(reply_key) == cluster.node_of(layout.for_request(stream_id).request_stream(MODEL))
 
     await eventually(lambda: stack.clean(), "every shard's stream empty, nothing pending", 10, stack)
@@ -306,14 +347,18 @@ async def test_a_reply_stream_without_the_shard_s_tag_is_refused_and_dead_letter
     stack.admin.xadd(shard.request_stream(MODEL), {"msg": denied})
 
     def dead_letter():
-        assert not _events_end(stack, untagged), f"the worker wrote the whole answer to {untagged}, outside the shard's slot"
+        assert not _events_end(stack, untagged), (
+            f"the worker wrote the whole answer to {untagged}, outside the shard's slot"
+        )
         return next((letter for letter in stack.dead_letters() if letter.get(b"msg") == denied), None)
 
     try:
         letter = await eventually(dead_letter, f"{request_id} dead-lettered in its shard", 15)
     except AssertionError as exc:
         written = bool(stack.admin.exists(untagged))
-        raise AssertionError(f"{exc}: dead letters {stack.dead_letters()}; {untagged} written: {written}\n{stack.log_tails()}") from None
+        raise AssertionError(
+            f"{exc}: dead letters {stack.dead_letters()}; {untagged} written: {written}\n{stack.log_tails()}"
+        ) from None
     assert letter[b"code"] == b"reply_denied", letter
     assert letter in [fields for _, fields in stack.admin.xrange(shard.dead_letter_stream)]
     assert not stack.admin.exists(untagged)
@@ -346,7 +391,12 @@ async def test_worker_killed_mid_stream_the_other_takes_over_and_every_stream_en
     print(f"taken over from {victim}: {len(taken_over)} streams in shards {shards}")
     for stream in streams:
         stream.assert_exact(expected[stream.prompt].text, context)
-    await eventually(lambda: stack.waiting() == 0 and not stack.pending(), "every shard's stream empty, nothing pending", 5 * CLAIM_S + 10, stack)
+    await eventually(
+        lambda: stack.waiting() == 0 and not stack.pending(),
+        "every shard's stream empty, nothing pending",
+        5 * CLAIM_S + 10,
+        stack,
+    )
     stack.assert_alive([survivor, *stack.gateways])
 
 
@@ -360,13 +410,17 @@ def _events_end(stack: ClusterStack, key: str) -> bool:
 # ---------------------------------------------------------------- a primary SIGKILLed mid-stream
 
 
-async def test_primary_killed_mid_stream_streams_end_exactly_or_visibly_and_the_cluster_serves_again(tmp_path, tiny_model_dir, pool):
+async def test_primary_killed_mid_stream_streams_end_exactly_or_visibly_and_the_cluster_serves_again(
+    tmp_path, tiny_model_dir, pool
+):
     """A primary without a replica dies while four streams run, and comes back (empty: no
     persistence) a few seconds later. The cluster refuses every command meanwhile (its slots are
     down); what a client sees must be what a Redis restart gives it: its exact text or a visible
     error, never a hang. Then fresh requests get exact answers and nothing is left pending."""
     with EmbeddedCluster(primaries=3, shards=SHARDS, root=tmp_path / "cluster", node_timeout_ms=1000) as cluster:
-        stack = ClusterStack(cluster, StackSpec("cluster-fault", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir)
+        stack = ClusterStack(
+            cluster, StackSpec("cluster-fault", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir
+        )
         try:
             await stack.prepare()
             expected = pool.take(4)
@@ -382,7 +436,9 @@ async def test_primary_killed_mid_stream_streams_end_exactly_or_visibly_and_the_
                 finally:
                     await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), CLIENT_TIMEOUT_S + 10)
             context = f"killed primary {victim}\n{stack.log_tails()}"
-            outcomes = [stream.assert_exact_or_visible_error(expected[stream.prompt].text, context) for stream in streams]
+            outcomes = [
+                stream.assert_exact_or_visible_error(expected[stream.prompt].text, context) for stream in streams
+            ]
             print(f"in-flight streams across the primary's death: {outcomes}")
 
             stack.assert_alive()
@@ -390,9 +446,18 @@ async def test_primary_killed_mid_stream_streams_end_exactly_or_visibly_and_the_
             fresh = pool.take(4)
             async with client_session() as session:
                 after = await stream_all(session, [ChatStream(stack.urls[0], prompt) for prompt in fresh])
-            problems = [f"after the revival: {stream.describe()}" for stream in after if not stream.is_exact(fresh[stream.prompt].text)]
+            problems = [
+                f"after the revival: {stream.describe()}"
+                for stream in after
+                if not stream.is_exact(fresh[stream.prompt].text)
+            ]
             assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
-            await eventually(lambda: stack.waiting() == 0 and not stack.pending(), "every shard's stream empty, nothing pending", 5 * CLAIM_S + 10, stack)
+            await eventually(
+                lambda: stack.waiting() == 0 and not stack.pending(),
+                "every shard's stream empty, nothing pending",
+                5 * CLAIM_S + 10,
+                stack,
+            )
             stack.assert_alive()
         finally:
             stack.close()

@@ -42,7 +42,10 @@ PASSWORD = "s3cret-pw"
         ("redis+cluster://h:7000?shards=1", ClusterAddress((("h", 7000),), shards=1)),
         ("redis+cluster://h:7000/?shards=1024", ClusterAddress((("h", 7000),), shards=1024)),
         ("REDIS+CLUSTER://:p%40ss%2Fw@h:1", ClusterAddress((("h", 1),), password="p@ss/w")),
-        ("redis+cluster://lmq:secret@h1:1,h2:2/?shards=3", ClusterAddress((("h1", 1), ("h2", 2)), 3, username="lmq", password="secret")),
+        (
+            "redis+cluster://lmq:secret@h1:1,h2:2/?shards=3",
+            ClusterAddress((("h1", 1), ("h2", 2)), 3, username="lmq", password="secret"),
+        ),
         ("redis+cluster://lmq@h:1", ClusterAddress((("h", 1),), username="lmq")),
         ("redis+cluster://h:7000/#fragment", ClusterAddress((("h", 7000),))),
     ],

@@ -273,7 +273,9 @@ def containers(tmp_path: Path):
 NO_ENV_FILE = {"REDIS_PASSWORD": "", "REDIS_URL": ""}  # what `${NAME:-}` gives with no .env
 
 
-def test_without_env_file_redis_gets_a_random_password_shared_with_gateways_and_workers(compose: dict, containers) -> None:
+def test_without_env_file_redis_gets_a_random_password_shared_with_gateways_and_workers(
+    compose: dict, containers
+) -> None:
     args = containers.redis(compose, NO_ENV_FILE)
     password = containers.secret.read_text()
     assert re.fullmatch(r"[0-9a-f]{64}", password), "32 random bytes, URL-safe"
@@ -346,14 +348,19 @@ def test_prometheus_scrapes_every_gateway_and_worker_replica(compose: dict, prom
         (discovery,) = job["dns_sd_configs"]
         assert discovery["type"] == "A" and discovery["port"] == port
         assert set(discovery["names"]) == names
-    assert services["worker-gpu"]["environment"]["LMQ_METRICS_PORT"] == services["worker"]["environment"]["LMQ_METRICS_PORT"]
+    assert (
+        services["worker-gpu"]["environment"]["LMQ_METRICS_PORT"]
+        == services["worker"]["environment"]["LMQ_METRICS_PORT"]
+    )
 
 
 def test_grafana_provisions_prometheus_and_the_dashboards(compose: dict) -> None:
     grafana = compose["services"]["grafana"]
     mounts = {volume.split(":")[0]: volume.split(":")[1] for volume in grafana["volumes"]}
     assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
-    (datasource,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"]
+    (datasource,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
     assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
     (provider,) = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "lmq.yml").read_text())["providers"]
     assert provider["type"] == "file" and mounts["./grafana/dashboards"] == provider["options"]["path"]
@@ -406,7 +413,11 @@ def metric_label_names() -> set[str]:
     names = {"job", "instance", "le"}
     for path in METRICS_SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.List, ast.Tuple)) and node.elts and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            if (
+                isinstance(node, (ast.List, ast.Tuple))
+                and node.elts
+                and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+            ):
                 names |= {e.value for e in node.elts}
     return names
 
@@ -440,12 +451,20 @@ def test_dashboard_queries_name_only_exported_metrics(prometheus_config: dict) -
             assert name in exported, f"{where}: {name} is not exported by gateway/metrics.py or worker/metrics.py"
         used |= set(names)
         for name in re.findall(r"\b(?:rate|irate|increase)\(\s*(lmq_[A-Za-z0-9_]+)", query):
-            assert exported[name] in ("counter", "histogram") and not name.endswith("_created"), f"{where}: rate() of the {exported[name]} {name}"
+            assert exported[name] in ("counter", "histogram") and not name.endswith("_created"), (
+                f"{where}: rate() of the {exported[name]} {name}"
+            )
         if "histogram_quantile" in query:
-            assert all(name.endswith("_bucket") and exported[name] == "histogram" for name in names), f"{where}: {query}"
+            assert all(name.endswith("_bucket") and exported[name] == "histogram" for name in names), (
+                f"{where}: {query}"
+            )
             assert re.search(r"by \([^)]*\ble\b", query), f"{where}: quantiles need the `le` label"
-        grouping = re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", query) + re.findall(r"label_values\([^,]+,\s*(\w+)\)", query)
-        matchers = [m for inner in re.findall(r"\{([^}]*)\}", query) for m in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", inner)]
+        grouping = re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", query) + re.findall(
+            r"label_values\([^,]+,\s*(\w+)\)", query
+        )
+        matchers = [
+            m for inner in re.findall(r"\{([^}]*)\}", query) for m in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", inner)
+        ]
         for label in {name.strip() for group in grouping for name in group.split(",") if name.strip()} | set(matchers):
             assert label in labels, f"{where}: no metric has the label {label}"
         for job in re.findall(r'\bjob\s*=\s*"([^"]+)"', query):
@@ -465,12 +484,16 @@ def test_dashboard_queries_name_only_exported_metrics(prometheus_config: dict) -
         assert any(re.match(pattern, name) for name in used), f"no panel shows {panel}"
 
 
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian: prometheus) is not installed")
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian: prometheus) is not installed"
+)
 
 
 @needs_promtool
 def test_promtool_accepts_the_prometheus_config() -> None:
-    result = subprocess.run(["promtool", "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["promtool", "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -25,7 +25,11 @@ def preflight_headers(origin: str, headers: str | None = "authorization, content
 
 
 def test_origins_are_read_from_the_environment_comma_separated() -> None:
-    config = build(GatewayConfig, argparse.Namespace(), environ={"LMQ_ALLOWED_ORIGINS": "https://a.example, http://LOCALHOST:3000/ ,"})
+    config = build(
+        GatewayConfig,
+        argparse.Namespace(),
+        environ={"LMQ_ALLOWED_ORIGINS": "https://a.example, http://LOCALHOST:3000/ ,"},
+    )
     assert config.allowed_origins == "https://a.example, http://LOCALHOST:3000/ ,"
     assert parse_origins(config.allowed_origins) == {"https://a.example", "http://localhost:3000"}
     assert GatewayConfig().allowed_origins == ""
@@ -43,7 +47,10 @@ async def test_off_by_default_preflight_is_refused_and_no_headers_are_added(redi
 
 
 async def test_a_preflight_from_an_allowed_origin_passes_before_auth(redis_url) -> None:
-    async with running_gateway(redis_url, allowed_origins=f"{PAGE}, https://other.example", api_keys=KEY) as url, aiohttp.ClientSession() as http:
+    async with (
+        running_gateway(redis_url, allowed_origins=f"{PAGE}, https://other.example", api_keys=KEY) as url,
+        aiohttp.ClientSession() as http,
+    ):
         requested = "authorization, content-type, x-stainless-os"  # browser SDKs add headers of their own
         async with http.options(url + "/v1/chat/completions", headers=preflight_headers(PAGE, requested)) as response:
             assert response.status == 204  # no key: browsers never send one with a preflight
@@ -63,7 +70,9 @@ async def test_a_preflight_from_another_origin_gets_no_cors_headers(redis_url) -
         async with http.options(url + "/v1/chat/completions", headers=preflight_headers(OTHER)) as response:
             assert response.status == 401  # as without CORS: the request reaches auth, and the browser blocks it
             assert not [name for name in response.headers if name.lower().startswith("access-control-")]
-        async with http.get(url + "/v1/models", headers={"Origin": OTHER, "Authorization": f"Bearer {KEY}"}) as response:
+        async with http.get(
+            url + "/v1/models", headers={"Origin": OTHER, "Authorization": f"Bearer {KEY}"}
+        ) as response:
             assert response.status == 200
             assert "Access-Control-Allow-Origin" not in response.headers
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from paged_steps import Chunk, make_batch
+
 from worker.model.paged_attention import MIN_SHARED_PAGES, merge_attention, paged_attention, plan_attention
 
 PAGE_SIZE = 4
@@ -18,7 +18,9 @@ KV_HEADS, GROUP, HEAD_DIM = 2, 3, 8
 HEADS = KV_HEADS * GROUP
 
 
-def run_step(chunks: list[Chunk], history: dict[int, torch.Tensor], num_pages: int, window: int = 0, dtype=torch.float32):
+def run_step(
+    chunks: list[Chunk], history: dict[int, torch.Tensor], num_pages: int, window: int = 0, dtype=torch.float32
+):
     """history[i]: keys/values [start, 2, kv_heads, hd] of chunk i's earlier tokens, written into the pool first."""
     generator = torch.Generator().manual_seed(len(chunks) * 7 + window)
     pool_k = torch.zeros(num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
@@ -42,8 +44,16 @@ def reference(chunks, history, q, k, v, window: int = 0) -> torch.Tensor:
     token = 0
     for index, chunk in enumerate(chunks):
         count = len(chunk.token_ids)
-        keys = torch.cat((history[index][:, 0], k[token : token + count])).double() if chunk.start else k[token : token + count].double()
-        values = torch.cat((history[index][:, 1], v[token : token + count])).double() if chunk.start else v[token : token + count].double()
+        keys = (
+            torch.cat((history[index][:, 0], k[token : token + count])).double()
+            if chunk.start
+            else k[token : token + count].double()
+        )
+        values = (
+            torch.cat((history[index][:, 1], v[token : token + count])).double()
+            if chunk.start
+            else v[token : token + count].double()
+        )
         for offset in range(count):
             position = chunk.start + offset
             visible = torch.arange(chunk.start + count) <= position
@@ -107,7 +117,9 @@ def test_the_cascade_takes_the_pages_every_decode_shares() -> None:
 
 
 def test_few_shared_pages_take_the_plain_gather() -> None:
-    chunks = shared_prompt_decodes(MIN_SHARED_PAGES - 1, [MIN_SHARED_PAGES * PAGE_SIZE + 2, MIN_SHARED_PAGES * PAGE_SIZE + 7])
+    chunks = shared_prompt_decodes(
+        MIN_SHARED_PAGES - 1, [MIN_SHARED_PAGES * PAGE_SIZE + 2, MIN_SHARED_PAGES * PAGE_SIZE + 7]
+    )
     history = history_for(chunks, shared=(MIN_SHARED_PAGES - 1) * PAGE_SIZE)
     batch, plan, q, k, v, out = run_step(chunks, history, num_pages=64)
     assert plan.decode.shared_pages == 0

@@ -30,9 +30,9 @@ import random
 
 import pytest
 import torch
+from paged_steps import Chunk, allocate_kv, make_batch
 
 from bench.random_models import hf_config, hf_model, lmq_model, random_weights
-from paged_steps import Chunk, allocate_kv, make_batch
 from protocol import SamplingParams
 from worker import compute_thread
 from worker.batch import PagedKV
@@ -301,7 +301,9 @@ def test_the_page_pool_leaks_nothing_after_a_random_workload(models, record_prop
         for index in range(36):
             prompt = (shared if index % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 200))]
             temperature = 0.0 if index % 2 else 0.8
-            params = SamplingParams(max_tokens=rng.randrange(1, 30), temperature=temperature, seed=index, ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 30), temperature=temperature, seed=index, ignore_eos=True
+            )
             engine.add(GenRequest(f"r{index}", prompt, params))
             ids.append(f"r{index}")
             if index % 5 == 4:

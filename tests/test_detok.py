@@ -8,9 +8,9 @@ import pathlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_model import VOCAB
 from tokenizers import Tokenizer
 
-from tiny_model import VOCAB
 from worker.detok import IncrementalDetokenizer, StopStrings, text_state
 from worker.token_bytes import _gpt2_unicode_to_byte
 
@@ -47,7 +47,9 @@ def test_leading_space_after_the_prompt_is_kept(tokenizer: Tokenizer) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(prompt=st.lists(st.integers(0, VOCAB - 1), max_size=6), generated=st.lists(st.integers(0, VOCAB - 1), max_size=30))
+@given(
+    prompt=st.lists(st.integers(0, VOCAB - 1), max_size=6), generated=st.lists(st.integers(0, VOCAB - 1), max_size=30)
+)
 def test_deltas_concatenate_to_the_full_decode(tokenizer: Tokenizer, prompt: list[int], generated: list[int]) -> None:
     deltas = stream(tokenizer, prompt, generated)
     assert "".join(deltas) == tokenizer.decode(generated, skip_special_tokens=True)
@@ -118,7 +120,11 @@ def test_without_stop_strings_text_passes_straight_through() -> None:
 
 @pytest.mark.parametrize(
     "text, stops",
-    [("Answer: 龘 ok, 日本語 🙂", []), ("The capital of France is Paris.", ["capital of Italy"]), ("The capital of France is Paris.", ["is Rome", "Par!"])],
+    [
+        ("Answer: 龘 ok, 日本語 🙂", []),
+        ("The capital of France is Paris.", ["capital of Italy"]),
+        ("The capital of France is Paris.", ["is Rome", "Par!"]),
+    ],
 )
 def test_a_takeover_at_any_token_continues_the_text_exactly(tokenizer: Tokenizer, text: str, stops: list[str]) -> None:
     """A worker died after streaming k tokens (its text held back a partial character or stop string);

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from engine_runs import generate, greedy
+
 from protocol import SamplingParams
 from worker.engine import Engine, GenRequest, PromptTooLong, SeqOutput, TokenLogprob
 from worker.kv_cache import page_bytes
@@ -76,7 +76,10 @@ async def test_next_chat_turn_reuses_the_generated_answer(model: LoadedModel) ->
     first = await generate(model, [GenRequest("t1", first_prompt, greedy(max_tokens=20))], page_size=PAGE)
     answer = first["t1"].token_ids
     second_prompt = first_prompt + answer + prompt(model, " And Spain?")
-    turns = [GenRequest("t1", first_prompt, greedy(max_tokens=20)), GenRequest("t2", second_prompt, greedy(max_tokens=8))]
+    turns = [
+        GenRequest("t1", first_prompt, greedy(max_tokens=20)),
+        GenRequest("t2", second_prompt, greedy(max_tokens=8)),
+    ]
     results = await generate(model, turns, joins={"t2": "t1"}, page_size=PAGE)
     # Every full page of the first turn is reused, answer included (its last token's K/V is not computed).
     reusable = (len(first_prompt) + len(answer) - 1) // PAGE * PAGE
@@ -136,7 +139,9 @@ async def test_stop_token_ids_and_eos(model: LoadedModel) -> None:
     full = (await generate(model, [GenRequest("full", ids, greedy(max_tokens=12))], page_size=PAGE))["full"]
     stop_token = full.token_ids[4]
     first = full.token_ids.index(stop_token)
-    results = await generate(model, [GenRequest("s", ids, greedy(max_tokens=12, stop_token_ids=[stop_token]))], page_size=PAGE)
+    results = await generate(
+        model, [GenRequest("s", ids, greedy(max_tokens=12, stop_token_ids=[stop_token]))], page_size=PAGE
+    )
     assert results["s"].finish_reason == "stop" and results["s"].stop_sequence is None
     assert results["s"].token_ids == full.token_ids[: first + 1]
     assert results["s"].completion_tokens == first + 1
@@ -184,7 +189,9 @@ async def test_prompt_that_can_never_fit_is_refused(model: LoadedModel) -> None:
 
 async def test_run_sleeps_until_work_arrives(model: LoadedModel) -> None:
     finished: list[str] = []
-    engine = Engine(model, on_step=lambda outputs: finished.extend(o.id for o in outputs if o.finish_reason), page_size=PAGE)
+    engine = Engine(
+        model, on_step=lambda outputs: finished.extend(o.id for o in outputs if o.finish_reason), page_size=PAGE
+    )
     task = asyncio.create_task(engine.run())
     await asyncio.sleep(0.05)
     assert engine.stats.steps == 0 and not task.done()
@@ -239,7 +246,10 @@ async def test_logprobs_are_the_same_alone_and_in_a_batch(model: LoadedModel) ->
     params = SamplingParams(max_tokens=10, temperature=1.2, top_p=0.9, seed=21, ignore_eos=True)
     request = GenRequest("lp", prompt(model, TEXTS[4]), params, logprobs=4)
     alone = logprobs_of((await outputs_of(model, [request]))["lp"])
-    others = [GenRequest(f"o{i}", prompt(model, text), greedy(max_tokens=6 + i), logprobs=i) for i, text in enumerate(TEXTS[:3])]
+    others = [
+        GenRequest(f"o{i}", prompt(model, text), greedy(max_tokens=6 + i), logprobs=i)
+        for i, text in enumerate(TEXTS[:3])
+    ]
     batched = logprobs_of((await outputs_of(model, [*others, request]))["lp"])
     assert [r.token_id for r in batched] == [r.token_id for r in alone]
     for mine, theirs in zip(batched, alone):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
 from engine_runs import generate, greedy
-from protocol import SamplingParams
 from reference_data import comparable_steps, load_reference
+
+from protocol import SamplingParams
 from worker.engine import GenRequest
 from worker.model.loader import LoadedModel, load_model
 from worker.prompt import build_prompt_ids

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from engine_runs import generate, greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from engine_runs import generate, greedy
 from tiny_model import VOCAB
+
 from worker.engine import Engine, GenRequest
 from worker.kv_cache import page_bytes
 from worker.model.loader import LoadedModel
@@ -68,8 +68,15 @@ def test_random_workloads_free_every_page_and_finish_every_request_once(
     engines: list[Engine] = []
     results = asyncio.run(
         generate(
-            model, requests, joins=joins, cancels=cancels, engine_out=engines,
-            kv_memory_bytes=budget, page_size=PAGE, max_seqs=max_seqs, step_tokens=step_tokens,
+            model,
+            requests,
+            joins=joins,
+            cancels=cancels,
+            engine_out=engines,
+            kv_memory_bytes=budget,
+            page_size=PAGE,
+            max_seqs=max_seqs,
+            step_tokens=step_tokens,
         )
     )
     reference = asyncio.run(generate(model, requests, page_size=PAGE))

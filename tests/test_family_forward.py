@@ -13,9 +13,9 @@ import random
 
 import pytest
 import torch
-
 from paged_steps import Chunk, allocate_kv, make_batch
 from tiny_families import FAMILIES, TinyFamily, make_family_model, reference_logits, reference_model, write_family_gguf
+
 from worker.model.loader import LoadedModel, load_model
 
 PAGE_SIZE = 4
@@ -70,23 +70,40 @@ def test_paged_forward_matches_transformers(family: tuple[TinyFamily, pathlib.Pa
         if length < spec.min_compared_length:
             continue
         expected = reference_logits(reference, sequences[s][:length])
-        torch.testing.assert_close(logits, expected, **TOLERANCE, msg=lambda m: f"{spec} sequence {s} at {length} tokens: {m}")
+        torch.testing.assert_close(
+            logits, expected, **TOLERANCE, msg=lambda m: f"{spec} sequence {s} at {length} tokens: {m}"
+        )
         compared += 1
     assert compared >= 6
 
 
-def test_gguf_gives_the_same_logits_as_safetensors(family: tuple[TinyFamily, pathlib.Path], tmp_path: pathlib.Path) -> None:
+def test_gguf_gives_the_same_logits_as_safetensors(
+    family: tuple[TinyFamily, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
     spec, directory = family
     if spec.gguf_arch is None:
         pytest.skip(f"{spec}: a setting llama.cpp's GGUF cannot express (compared with transformers only)")
     from_hf = load_model(str(directory), dtype="float32", quant="none", device="cpu")
-    from_gguf = load_model(str(write_family_gguf(spec, directory, tmp_path / f"{spec.name}.gguf")), dtype="float32", quant="none", device="cpu")
-    assert from_gguf.config.architecture == ("llama" if spec.name.startswith("mistral") else from_hf.config.architecture)
+    from_gguf = load_model(
+        str(write_family_gguf(spec, directory, tmp_path / f"{spec.name}.gguf")),
+        dtype="float32",
+        quant="none",
+        device="cpu",
+    )
+    assert from_gguf.config.architecture == (
+        "llama" if spec.name.startswith("mistral") else from_hf.config.architecture
+    )
     assert (from_gguf.config.num_layers, from_gguf.config.num_kv_heads, from_gguf.config.head_dim) == (
-        from_hf.config.num_layers, from_hf.config.num_kv_heads, from_hf.config.head_dim
+        from_hf.config.num_layers,
+        from_hf.config.num_kv_heads,
+        from_hf.config.head_dim,
     )
     assert from_gguf.config.layer_windows == from_hf.config.layer_windows
     assert from_gguf.config.options == from_hf.config.options
     sequences = random_sequences(from_hf.config.vocab_size)
-    for (s, length, expected), (_, _, logits) in zip(run_schedule(from_hf, sequences), run_schedule(from_gguf, sequences)):
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{spec} sequence {s} at {length} tokens: {m}")
+    for (s, length, expected), (_, _, logits) in zip(
+        run_schedule(from_hf, sequences), run_schedule(from_gguf, sequences)
+    ):
+        torch.testing.assert_close(
+            logits, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{spec} sequence {s} at {length} tokens: {m}"
+        )

@@ -20,9 +20,9 @@ import pathlib
 import pytest
 import torch
 import torch.nn.functional as F
-
 from paged_steps import Chunk, allocate_kv, make_batch
 from tiny_families import FAMILIES, TinyFamily, make_family_model, write_family_gguf
+
 from worker.model.loader import LoadedModel, load_model
 
 xllamacpp = pytest.importorskip("xllamacpp")
@@ -45,7 +45,9 @@ def llama_cpp_server(path: pathlib.Path):
 
 
 def llama_cpp_top3(server, prefix: list[int]) -> list[tuple[int, float]] | None:
-    reply = server.handle_completions({"prompt": prefix, "n_predict": 1, "temperature": 0.0, "logprobs": 3, "cache_prompt": False})
+    reply = server.handle_completions(
+        {"prompt": prefix, "n_predict": 1, "temperature": 0.0, "logprobs": 3, "cache_prompt": False}
+    )
     logprobs = reply["choices"][0].get("logprobs")
     if not logprobs:
         return None
@@ -70,7 +72,9 @@ def test_llama_cpp_gives_the_same_next_token_distribution(spec: TinyFamily, tmp_
     if spec.model_class.startswith("Gemma"):
         for layer in model.model.layers:
             layer.mlp.act = ggml_gelu
-    longest = model.config.window(0) if spec.model_class == "Phi3ForCausalLM" and model.config.layer_windows else len(PROMPT)
+    longest = (
+        model.config.window(0) if spec.model_class == "Phi3ForCausalLM" and model.config.layer_windows else len(PROMPT)
+    )
     server = llama_cpp_server(path)
     compared = greedy_compared = 0
     try:
@@ -84,7 +88,9 @@ def test_llama_cpp_gives_the_same_next_token_distribution(spec: TinyFamily, tmp_
                 assert theirs[0][0] == int(top.indices[0]), f"{spec}: greedy token after {length} prompt tokens"
                 greedy_compared += 1
             for token, logprob in theirs:
-                assert abs(float(ours[token]) - logprob) < TOLERANCE, f"{spec}: token {token} after {length} prompt tokens"
+                assert abs(float(ours[token]) - logprob) < TOLERANCE, (
+                    f"{spec}: token {token} after {length} prompt tokens"
+                )
             compared += 1
     finally:
         del server

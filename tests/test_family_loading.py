@@ -11,13 +11,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
-
-import worker.model.loader as loader_module
 from engine_runs import generate, greedy
 from paged_steps import Chunk, allocate_kv, make_batch
+from safetensors.torch import save_file
 from tiny_families import FAMILY_BY_NAME, make_family_model, reference_model, write_family_gguf
 from tiny_model import make_tiny_model
+
+import worker.model.loader as loader_module
 from worker.engine import GenRequest
 from worker.model.chat_template import ChatTemplate
 from worker.model.families import UnsupportedModel
@@ -46,12 +46,20 @@ def _edit_config(directory: pathlib.Path, **changes) -> None:
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, "model_type 'mamba' (MambaForCausalLM) is not supported (supported: llama, mistral, qwen2"),
-        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized checkpoints (gptq) are not supported"),
+        (
+            {"model_type": "mamba", "architectures": ["MambaForCausalLM"]},
+            "model_type 'mamba' (MambaForCausalLM) is not supported (supported: llama, mistral, qwen2",
+        ),
+        (
+            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            "quantized checkpoints (gptq) are not supported",
+        ),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic' is not supported"),
     ],
 )
-def test_unsupported_hf_checkpoints_are_refused_by_name(tmp_path: pathlib.Path, no_weights_read: None, changes: dict, message: str) -> None:
+def test_unsupported_hf_checkpoints_are_refused_by_name(
+    tmp_path: pathlib.Path, no_weights_read: None, changes: dict, message: str
+) -> None:
     directory = make_tiny_model(tmp_path / "model")
     _edit_config(directory, **changes)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -60,12 +68,19 @@ def test_unsupported_hf_checkpoints_are_refused_by_name(tmp_path: pathlib.Path, 
 
 def test_non_float_safetensors_are_refused_by_tensor_and_dtype(tmp_path: pathlib.Path, no_weights_read: None) -> None:
     directory = make_tiny_model(tmp_path / "model")
-    save_file({"model.layers.0.self_attn.q_proj.qweight": torch.zeros(4, 4, dtype=torch.int32)}, str(directory / "model-extra.safetensors"))
-    with pytest.raises(UnsupportedModel, match=re.escape("tensor model.layers.0.self_attn.q_proj.qweight has dtype I32")):
+    save_file(
+        {"model.layers.0.self_attn.q_proj.qweight": torch.zeros(4, 4, dtype=torch.int32)},
+        str(directory / "model-extra.safetensors"),
+    )
+    with pytest.raises(
+        UnsupportedModel, match=re.escape("tensor model.layers.0.self_attn.q_proj.qweight has dtype I32")
+    ):
         load_model(str(directory), dtype="float32", quant="none", device="cpu")
 
 
-def _tiny_gguf(tmp_path: pathlib.Path, arch: str = "llama", extra_tensor: tuple | None = None, pre: str = "gpt2") -> pathlib.Path:
+def _tiny_gguf(
+    tmp_path: pathlib.Path, arch: str = "llama", extra_tensor: tuple | None = None, pre: str = "gpt2"
+) -> pathlib.Path:
     directory = make_tiny_model(tmp_path / "model")
     path = tmp_path / "model.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
@@ -90,14 +105,23 @@ def _tiny_gguf(tmp_path: pathlib.Path, arch: str = "llama", extra_tensor: tuple 
 
 
 def test_unsupported_gguf_architecture_is_refused_by_name(tmp_path: pathlib.Path, no_weights_read: None) -> None:
-    with pytest.raises(UnsupportedModel, match=re.escape("GGUF architecture 'mamba' is not supported (supported: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe)")):
+    with pytest.raises(
+        UnsupportedModel,
+        match=re.escape(
+            "GGUF architecture 'mamba' is not supported (supported: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe)"
+        ),
+    ):
         load_model(str(_tiny_gguf(tmp_path, "mamba")), dtype="float32", quant="none", device="cpu")
 
 
-def test_unreadable_gguf_tensor_type_is_refused_by_tensor_and_type(tmp_path: pathlib.Path, no_weights_read: None) -> None:
+def test_unreadable_gguf_tensor_type_is_refused_by_tensor_and_type(
+    tmp_path: pathlib.Path, no_weights_read: None
+) -> None:
     q8_k_block = np.zeros((1, 292), dtype=np.uint8)  # one 256-value Q8_K block: a type only llama.cpp's kernels use
     path = _tiny_gguf(tmp_path, extra_tensor=("blk.0.attn_q.weight", q8_k_block, gguf.GGMLQuantizationType.Q8_K))
-    with pytest.raises(UnsupportedModel, match=re.escape("tensor blk.0.attn_q.weight has type Q8_K, which lmq cannot read")):
+    with pytest.raises(
+        UnsupportedModel, match=re.escape("tensor blk.0.attn_q.weight has type Q8_K, which lmq cannot read")
+    ):
         load_model(str(path), dtype="float32", quant="none", device="cpu")
 
 
@@ -121,7 +145,11 @@ TURN_ENDS = {  # template -> (messages with an assistant turn, extra variables) 
 
 
 def _turn_end(source: str, **variables) -> str:
-    messages = [{"role": "user", "content": "Question"}, {"role": "assistant", "content": "ANSWER"}, {"role": "user", "content": "More"}]
+    messages = [
+        {"role": "user", "content": "Question"},
+        {"role": "assistant", "content": "ANSWER"},
+        {"role": "user", "content": "More"},
+    ]
     text = ChatTemplate(source, bos_token="<s>", eos_token="</s>").render(messages, **variables)
     return re.match(r"<[^>]+>", text[text.index("ANSWER") + len("ANSWER") :]).group(0)
 
@@ -138,7 +166,7 @@ def test_llama_ipython_turns_end_with_eom_which_stops_too() -> None:
     source = (TEMPLATE_DIR / "meta-llama-Llama-3.3-70B-Instruct.jinja").read_text(encoding="utf-8")
     call = {"role": "assistant", "tool_calls": [{"function": {"name": "brave_search", "arguments": {"query": "x"}}}]}
     text = ChatTemplate(source).render([{"role": "user", "content": "Search"}, call], builtin_tools=["brave_search"])
-    assert text.split("brave_search.call(query=\"x\")")[1].startswith("<|eom_id|>") and "<|eom_id|>" in END_OF_TURN_TOKENS
+    assert text.split('brave_search.call(query="x")')[1].startswith("<|eom_id|>") and "<|eom_id|>" in END_OF_TURN_TOKENS
 
 
 # --- a SentencePiece GGUF end to end (Gemma 3) -----------------------------------------------------
@@ -148,11 +176,15 @@ def test_llama_ipython_turns_end_with_eom_which_stops_too() -> None:
 def gemma_sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
     spec = FAMILY_BY_NAME["gemma3"]
     template = (TEMPLATE_DIR / "google-gemma-3-it.jinja").read_text(encoding="utf-8")
-    directory = make_family_model(spec, tmp_path_factory.mktemp("gemma3-spm"), chat_template=template, sentencepiece_vocab=True)
+    directory = make_family_model(
+        spec, tmp_path_factory.mktemp("gemma3-spm"), chat_template=template, sentencepiece_vocab=True
+    )
     return directory, write_family_gguf(spec, directory, directory.parent / "gemma3-spm.gguf")
 
 
-def test_sentencepiece_gguf_serves_like_its_hf_directory(gemma_sentencepiece: tuple[pathlib.Path, pathlib.Path]) -> None:
+def test_sentencepiece_gguf_serves_like_its_hf_directory(
+    gemma_sentencepiece: tuple[pathlib.Path, pathlib.Path],
+) -> None:
     directory, path = gemma_sentencepiece
     from_hf = load_model(str(directory), dtype="float32", quant="none", device="cpu")
     from_gguf = load_model(str(path), dtype="float32", quant="none", device="cpu")
@@ -166,7 +198,9 @@ def test_sentencepiece_gguf_serves_like_its_hf_directory(gemma_sentencepiece: tu
     end_of_turn = from_hf.tokenizer.token_to_id("<end_of_turn>")
     assert end_of_turn in from_gguf.stop_token_ids and end_of_turn in from_hf.stop_token_ids
     assert from_gguf.tokenizer.decode(ids, skip_special_tokens=False) == text
-    kv_hf, kv_gguf = (allocate_kv(m.config, num_pages=8, page_size=8, dtype=torch.float32) for m in (from_hf, from_gguf))
+    kv_hf, kv_gguf = (
+        allocate_kv(m.config, num_pages=8, page_size=8, dtype=torch.float32) for m in (from_hf, from_gguf)
+    )
     batch = make_batch([Chunk(ids, 0, list(range(len(ids) // 8 + 1)))], 8)
     torch.testing.assert_close(from_gguf.model(batch, kv_gguf), from_hf.model(batch, kv_hf), atol=1e-5, rtol=1e-5)
 
@@ -175,8 +209,12 @@ def test_sentencepiece_gguf_serves_like_its_hf_directory(gemma_sentencepiece: tu
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3-moe", "phi3-partial-rotary", "mixtral"])
-@pytest.mark.parametrize("dtype, quant, min_cosine", [("bfloat16", "none", 0.999), ("bfloat16", "int8", 0.99), ("bfloat16", "int4", 0.95)])
-def test_quantized_and_bfloat16_modes_stay_close_to_float32(tmp_path: pathlib.Path, name: str, dtype: str, quant: str, min_cosine: float) -> None:
+@pytest.mark.parametrize(
+    "dtype, quant, min_cosine", [("bfloat16", "none", 0.999), ("bfloat16", "int8", 0.99), ("bfloat16", "int4", 0.95)]
+)
+def test_quantized_and_bfloat16_modes_stay_close_to_float32(
+    tmp_path: pathlib.Path, name: str, dtype: str, quant: str, min_cosine: float
+) -> None:
     directory = make_family_model(FAMILY_BY_NAME[name], tmp_path / name)
     exact = load_model(str(directory), dtype="float32", quant="none", device="cpu")
     reduced = load_model(str(directory), dtype=dtype, quant=quant, device="cpu")
@@ -247,9 +285,17 @@ def test_multimodal_gemma3_directory_serves_its_language_model(tmp_path: pathlib
     text_dir = make_family_model(FAMILY_BY_NAME["gemma3"], tmp_path / "text")
     multimodal = make_family_model(FAMILY_BY_NAME["gemma3"], tmp_path / "multimodal")
     text_config = json.loads((text_dir / "config.json").read_text())
-    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text_config, "vision_config": {}}
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": text_config,
+        "vision_config": {},
+    }
     (multimodal / "config.json").write_text(json.dumps(config))
-    tensors = {name.replace("model.", "language_model.model.", 1): tensor for name, tensor in load_file(str(text_dir / "model.safetensors")).items()}
+    tensors = {
+        name.replace("model.", "language_model.model.", 1): tensor
+        for name, tensor in load_file(str(text_dir / "model.safetensors")).items()
+    }
     tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(8, 3, 2, 2)
     save_file(tensors, str(multimodal / "model.safetensors"))
     text, both = (load_model(str(d), dtype="float32", quant="none", device="cpu") for d in (text_dir, multimodal))

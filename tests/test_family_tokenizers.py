@@ -152,7 +152,9 @@ def test_sentencepiece_adds_bos_and_decodes_back(sentencepiece_pair) -> None:
     assert ids[0] == sp.bos_id() and ids[1:] == sp.encode(text)
     assert tokenizer.decode(ids[1:]) == sp.decode(ids[1:]) == text
     chat = tokenizer.encode("a<|im_end|>b", add_special_tokens=False).ids
-    assert "<|im_end|>" in tokenizer.decode(chat, skip_special_tokens=False) and "<|im_end|>" not in tokenizer.decode(chat, skip_special_tokens=True)
+    assert "<|im_end|>" in tokenizer.decode(chat, skip_special_tokens=False) and "<|im_end|>" not in tokenizer.decode(
+        chat, skip_special_tokens=True
+    )
 
 
 # --- byte-level BPE -------------------------------------------------------------------------------
@@ -160,7 +162,10 @@ def test_sentencepiece_adds_bos_and_decodes_back(sentencepiece_pair) -> None:
 
 def _split(pattern: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
 
 
@@ -168,7 +173,12 @@ def _split(pattern: str) -> pre_tokenizers.PreTokenizer:
 FAMILY_TOKENIZERS = {
     "qwen2": lambda: (normalizers.NFC(), _split(QWEN2_PATTERN)),
     "llama-bpe": lambda: (None, _split(LLAMA3_PATTERN)),
-    "smollm": lambda: (None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])),
+    "smollm": lambda: (
+        None,
+        pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        ),
+    ),
     "gpt2": lambda: (None, pre_tokenizers.ByteLevel(add_prefix_space=False)),
 }
 
@@ -180,7 +190,12 @@ def _train_bpe(pre: str) -> Tokenizer:
         tokenizer.normalizer = normalizer
     tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(CORPUS.splitlines() * 10, trainer)
     tokenizer.add_tokens([AddedToken("<tool>", special=False, normalized=False)])
     return tokenizer

@@ -25,16 +25,13 @@ import uuid
 import msgpack
 import pytest
 import redis
-from redis.exceptions import NoPermissionError
-
-import protocol
-from worker.publisher import DEAD_LETTER_PREFIX_BYTES
 from fault_support import (
     CLAIM_IDLE_MS,
     CLIENT_TIMEOUT_S,
     MAX_TOKENS,
     STREAM,
     ChatStream,
+    PromptPool,
     Stack,
     StackSpec,
     assert_contiguous,
@@ -42,12 +39,15 @@ from fault_support import (
     delta_tokens,
     eventually,
     expected_answers,
-    PromptPool,
     foreign_request,
     stream_all,
     streaming,
 )
+from redis.exceptions import NoPermissionError
+
+import protocol
 from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, progress_key
+from worker.publisher import DEAD_LETTER_PREFIX_BYTES
 
 MAIN_KIND = os.environ.get("LMQ_TEST_FAULTS_KIND", "valkey9")
 MAIN = StackSpec(MAIN_KIND, workers=2, gateways=2)
@@ -111,7 +111,9 @@ async def assert_nothing_left(stack: Stack, timeout: float = 5.0) -> None:
     try:
         await eventually(check, "an empty request stream with nothing pending", timeout, stack)
     except AssertionError as exc:
-        raise AssertionError(f"left in {STREAM}: pending={stack.pending()} xlen={stack.admin.xlen(STREAM)}\n{exc}") from None
+        raise AssertionError(
+            f"left in {STREAM}: pending={stack.pending()} xlen={stack.admin.xlen(STREAM)}\n{exc}"
+        ) from None
 
 
 # ---------------------------------------------------------------- 1. worker SIGKILL mid-stream
@@ -133,7 +135,9 @@ async def test_worker_killed_mid_stream_every_stream_ends_with_the_exact_answer(
             by_request = stack.holder_by_request()
             held_back_holders = [by_request.get(s.request_id) for s in streams if s.prompt in pool.held_back]
             # The worker of a held-back answer if there is one, else the busiest.
-            victim = next((name for name in held_back_holders if name), None) or max(stack.workers, key=lambda name: holders.get(name, 0))
+            victim = next((name for name in held_back_holders if name), None) or max(
+                stack.workers, key=lambda name: holders.get(name, 0)
+            )
             survivor = next(name for name in stack.workers if name != victim)
             assert holders.get(victim), f"no worker holds an entry: {holders}"
             stack.kill_worker(victim)
@@ -166,29 +170,50 @@ async def test_worker_stalled_past_the_claim_time_then_woken_leaves_the_entry_to
         taken_back: list[dict] = []
         try:
             foreign_entries = [
-                stack.admin.xadd(STREAM, {"msg": msgpack.packb(foreign_request(request_id, prompt, reply_key[request_id]))})
+                stack.admin.xadd(
+                    STREAM, {"msg": msgpack.packb(foreign_request(request_id, prompt, reply_key[request_id]))}
+                )
                 for request_id, prompt in foreign.items()
             ]
-            await streaming(stack, streams, tasks, 3, lambda: all(deltas_on(stack, key) >= 3 for key in reply_key.values()))
+            await streaming(
+                stack, streams, tasks, 3, lambda: all(deltas_on(stack, key) >= 3 for key in reply_key.values())
+            )
             # Stall the worker of the first reply-stream request, whose every event the test reads.
-            victim = next(entry["consumer"].decode() for entry in stack.pending() if entry["message_id"] == foreign_entries[0])
+            victim = next(
+                entry["consumer"].decode() for entry in stack.pending() if entry["message_id"] == foreign_entries[0]
+            )
             other = next(name for name in stack.workers if name != victim)
             stalled = {entry["message_id"] for entry in stack.pending() if entry["consumer"].decode() == victim}
 
             stack.signal(victim, signal.SIGSTOP)
             try:
-                await eventually(lambda: victim not in stack.holders(), f"{other} to claim the entries of the stalled {victim}", 10 * CLAIM_S + 5, stack)
+                await eventually(
+                    lambda: victim not in stack.holders(),
+                    f"{other} to claim the entries of the stalled {victim}",
+                    10 * CLAIM_S + 5,
+                    stack,
+                )
                 await asyncio.sleep(0.5)  # the other worker streams on for a while
             finally:
                 stack.signal(victim, signal.SIGCONT)
             # Until every stream ended (and a little longer): the woken worker must not take an entry back.
             deadline = time.monotonic() + CLIENT_TIMEOUT_S
-            while (not all(t.done() for t in tasks) or not all(reply_ended(stack, key) for key in reply_key.values())) and time.monotonic() < deadline:
-                taken_back += [entry for entry in stack.pending() if entry["message_id"] in stalled and entry["consumer"].decode() == victim]
+            while (
+                not all(t.done() for t in tasks) or not all(reply_ended(stack, key) for key in reply_key.values())
+            ) and time.monotonic() < deadline:
+                taken_back += [
+                    entry
+                    for entry in stack.pending()
+                    if entry["message_id"] in stalled and entry["consumer"].decode() == victim
+                ]
                 await asyncio.sleep(0.05)
             settle = time.monotonic() + 1.5 * CLAIM_S + 1  # what the woken worker would still write
             while time.monotonic() < settle:
-                taken_back += [entry for entry in stack.pending() if entry["message_id"] in stalled and entry["consumer"].decode() == victim]
+                taken_back += [
+                    entry
+                    for entry in stack.pending()
+                    if entry["message_id"] in stalled and entry["consumer"].decode() == victim
+                ]
                 await asyncio.sleep(0.1)
         finally:
             await finished(tasks)
@@ -199,10 +224,14 @@ async def test_worker_stalled_past_the_claim_time_then_woken_leaves_the_entry_to
     for request_id, prompt in foreign.items():
         events = [event for _, event in stack.reply_events(reply_key[request_id])]
         assert_contiguous(events, f"{request_id} (reply stream)\n{context}")
-        assert delta_tokens(events) == expected[prompt].token_ids, f"{request_id}: tokens published (duplicates included) differ from the answer\n{context}"
+        assert delta_tokens(events) == expected[prompt].token_ids, (
+            f"{request_id}: tokens published (duplicates included) differ from the answer\n{context}"
+        )
         text = "".join(event["text"] for event in events if event.get("type") == "delta")
         assert text == expected[prompt].text, f"{request_id}: text {text!r}, want {expected[prompt].text!r}\n{context}"
-        assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == MAX_TOKENS, f"{request_id}: {events[-1]}\n{context}"
+        assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == MAX_TOKENS, (
+            f"{request_id}: {events[-1]}\n{context}"
+        )
     assert not taken_back, f"the woken {victim} took entries back: {taken_back[:3]}\n{context}"
     await assert_nothing_left(stack)
     await eventually(lambda: stack.heartbeating([victim, other]), "both workers heartbeating after the stall", 5, stack)
@@ -243,17 +272,27 @@ async def test_duplicate_request_id_never_interleaves(stacks, pool, timing):
 
     first_events = [e for _, e in a]
     assert_contiguous(first_events, f"first\n{context}")
-    assert delta_tokens(first_events) == expected[prompts[0]].token_ids and first_events[-1]["type"] == "done", f"the first must run\n{context}"
+    assert delta_tokens(first_events) == expected[prompts[0]].token_ids and first_events[-1]["type"] == "done", (
+        f"the first must run\n{context}"
+    )
     second_events = [e for _, e in b]
     assert_contiguous(second_events, f"second\n{context}")
     if second_events[-1]["type"] == "error":
-        assert second_events[-1]["code"] == "duplicate_id" and not delta_tokens(second_events), f"the second: only a duplicate_id error\n{context}"
-        assert any(fields[b"code"] == b"duplicate_id" for fields in stack.dead_letters()), f"duplicate_id is dead-lettered\n{stack.dead_letters()}"
+        assert second_events[-1]["code"] == "duplicate_id" and not delta_tokens(second_events), (
+            f"the second: only a duplicate_id error\n{context}"
+        )
+        assert any(fields[b"code"] == b"duplicate_id" for fields in stack.dead_letters()), (
+            f"duplicate_id is dead-lettered\n{stack.dead_letters()}"
+        )
     else:
-        assert delta_tokens(second_events) == expected[prompts[1]].token_ids, f"the second, run after the first: its own whole answer\n{context}"
+        assert delta_tokens(second_events) == expected[prompts[1]].token_ids, (
+            f"the second, run after the first: its own whole answer\n{context}"
+        )
         first_done_at = next(entry_id for entry_id, e in a if e["type"] == "done")
         second_starts_at = b[0][0]
-        assert _stream_id(second_starts_at) > _stream_id(first_done_at), f"the second ran while the first was running\n{context}"
+        assert _stream_id(second_starts_at) > _stream_id(first_done_at), (
+            f"the second ran while the first was running\n{context}"
+        )
     await assert_nothing_left(stack)
     assert not stack.admin.exists(progress_key(request_id)), "the progress list outlived both requests"
     stack.assert_alive()
@@ -262,7 +301,11 @@ async def test_duplicate_request_id_never_interleaves(stacks, pool, timing):
 def _timeline(events: list[tuple[str, dict]]) -> str:
     """A reply stream in short: its deltas' span (entry ids, offsets), then its end."""
     deltas = [(entry_id, e) for entry_id, e in events if e.get("type") == "delta"]
-    ends = [(entry_id, e.get("type"), e.get("finish_reason") or e.get("code")) for entry_id, e in events if e.get("type") in ENDS]
+    ends = [
+        (entry_id, e.get("type"), e.get("finish_reason") or e.get("code"))
+        for entry_id, e in events
+        if e.get("type") in ENDS
+    ]
     if not deltas:
         return f"no deltas, end {ends}"
     return f"{len(deltas)} deltas from {deltas[0][0]} (offset {deltas[0][1]['offset']}) to {deltas[-1][0]} (offset {deltas[-1][1]['offset']}), end {ends}"
@@ -307,7 +350,12 @@ async def test_poison_entries_are_dead_lettered_and_acknowledged(stacks, tiny, p
         pipe.xadd(STREAM, {"msg": msgpack.packb(int_keys)})
         pipe.execute()
 
-    await eventually(lambda: reply_ended(stack, reply("int-keys")) and len(stack.dead_letters()) >= len(poison), "the valid request's end and the dead letters", 20, stack)
+    await eventually(
+        lambda: reply_ended(stack, reply("int-keys")) and len(stack.dead_letters()) >= len(poison),
+        "the valid request's end and the dead letters",
+        20,
+        stack,
+    )
     await asyncio.sleep(0.3)
     context = stack.log_tails()
     letters = stack.dead_letters()
@@ -322,7 +370,9 @@ async def test_poison_entries_are_dead_lettered_and_acknowledged(stacks, tiny, p
         if reply_key is not None:
             events = [event for _, event in stack.reply_events(reply_key)]
             if [(e.get("type"), e.get("code")) for e in events] != [("error", code)]:
-                problems.append(f"{name}: events on its reply key {[(e.get('type'), e.get('code'), e.get('message')) for e in events]}, want one error {code!r}")
+                problems.append(
+                    f"{name}: events on its reply key {[(e.get('type'), e.get('code'), e.get('message')) for e in events]}, want one error {code!r}"
+                )
     bias_events = [event for _, event in stack.reply_events(reply("int-keys"))]
     if not bias_events or bias_events[-1].get("type") != "done":
         problems.append(f"int-keys logit_bias (valid): ended with {bias_events[-1:]}, want done")
@@ -331,7 +381,9 @@ async def test_poison_entries_are_dead_lettered_and_acknowledged(stacks, tiny, p
     if any(letter.get(b"msg") == msgpack.packb(int_keys) for letter in letters):
         problems.append("int-keys logit_bias (valid) was dead-lettered")
     if len(letters) != len(poison):
-        problems.append(f"{len(letters)} dead letters, want {len(poison)}: {[(l.get(b'code'), l.get(b'message')) for l in letters]}")
+        problems.append(
+            f"{len(letters)} dead letters, want {len(poison)}: {[(letter.get(b'code'), letter.get(b'message')) for letter in letters]}"
+        )
     if not nothing_left(stack):
         problems.append(f"left in the request stream: pending={stack.pending()} xlen={stack.admin.xlen(STREAM)}")
     assert not problems, "\n".join(problems) + f"\n{context}"
@@ -371,7 +423,9 @@ async def _burst_after_recovery(stack: Stack, pool: PromptPool) -> list[str]:
     expected = pool.take(4)
     prompts = list(expected)
     async with client_session() as session:
-        streams = await stream_all(session, [ChatStream(stack.urls[i % len(stack.urls)], p) for i, p in enumerate(prompts)])
+        streams = await stream_all(
+            session, [ChatStream(stack.urls[i % len(stack.urls)], p) for i, p in enumerate(prompts)]
+        )
     return [f"after recovery: {s.describe()}" for s in streams if not s.is_exact(expected[s.prompt].text)]
 
 
@@ -388,7 +442,9 @@ async def test_redis_killed_and_restarted_with_its_aof(stacks, pool):
     stack.assert_alive()
     problems = await _burst_after_recovery(stack, pool)
     assert not problems, "\n".join(problems) + f"\nin flight: {outcomes}\n{stack.log_tails()}"
-    await assert_nothing_left(stack, timeout=5 * CLAIM_S + 10)  # what ran across the restart is finished or claimed and finished
+    await assert_nothing_left(
+        stack, timeout=5 * CLAIM_S + 10
+    )  # what ran across the restart is finished or claimed and finished
     stack.assert_alive()
 
 
@@ -415,9 +471,13 @@ async def test_redis_loses_everything_streams_and_group_come_back(stacks, pool, 
         problems += await _burst_after_recovery(stack, pool)
         marks = stack.log_marks()
         await asyncio.sleep(2.5)  # recovered and idle: nothing may go on complaining
-        complaints = [line for line in stack.log_since(marks) if "NOGROUP" in line or " WARNING " in line or " ERROR " in line]
+        complaints = [
+            line for line in stack.log_since(marks) if "NOGROUP" in line or " WARNING " in line or " ERROR " in line
+        ]
         if complaints:
-            problems.append(f"still logging after recovery (a loop?): {len(complaints)} lines in 2.5 s idle, e.g. {complaints[:3]}")
+            problems.append(
+                f"still logging after recovery (a loop?): {len(complaints)} lines in 2.5 s idle, e.g. {complaints[:3]}"
+            )
     except AssertionError as exc:
         problems.append(str(exc))
     if not stack.group_exists():
@@ -450,7 +510,12 @@ async def test_client_leaves_as_its_worker_dies_the_withdrawn_entry_kills_no_one
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     context = f"killed {victim} holding {entry_id!r}; the client left at once"
-    await eventually(lambda: not stack.admin.xrange(STREAM, entry_id, entry_id), f"the gateway to delete the entry ({context})", 5, stack)
+    await eventually(
+        lambda: not stack.admin.xrange(STREAM, entry_id, entry_id),
+        f"the gateway to delete the entry ({context})",
+        5,
+        stack,
+    )
 
     # A survivor claims the deleted-but-pending entry once it is idle past the claim time.
     def settled() -> bool:
@@ -498,7 +563,9 @@ async def test_reply_key_the_worker_may_not_write_fails_that_request_alone(stack
             await finished(tasks)
     context = stack.log_tails()
     for stream in streams:
-        stream.assert_exact(expected[stream.prompt].text, f"a request with an unwritable reply key ran next to this one\n{context}")
+        stream.assert_exact(
+            expected[stream.prompt].text, f"a request with an unwritable reply key ran next to this one\n{context}"
+        )
 
     def dead_letter():
         return next((letter for letter in stack.dead_letters() if letter.get(b"msg") == bad), None)

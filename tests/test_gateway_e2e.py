@@ -12,16 +12,21 @@ from worker_helpers import wait_for
 from worker_process import SlowModel
 
 
-
-
-
 def finished(worker, outcome: str) -> float:
     return worker.metrics.finished.labels(worker.model_name, outcome)._value.get()
 
 
 async def test_a_client_leaving_mid_stream_frees_the_workers_pages(redis_url, tiny):
-    slowed = dataclasses.replace(tiny, model=SlowModel(tiny.model, 0.1))  # 240 tokens take 24 s at least: the client leaves long before
-    body = {"model": REAL_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 240, "ignore_eos": True, "stream": True}
+    slowed = dataclasses.replace(
+        tiny, model=SlowModel(tiny.model, 0.1)
+    )  # 240 tokens take 24 s at least: the client leaves long before
+    body = {
+        "model": REAL_MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 240,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with real_worker(redis_url, slowed) as worker, running_gateway(redis_url) as url:
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/chat/completions", json=body) as response:
@@ -52,10 +57,17 @@ async def test_two_gateways_and_two_workers_answer_every_client(redis_url, tiny)
             messages = [{"role": "user", "content": f"Count to {i}"}]
             if i % 3 == 0:
                 stream = await client.chat.completions.create(
-                    model=REAL_MODEL, messages=messages, max_tokens=2 + i, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+                    model=REAL_MODEL,
+                    messages=messages,
+                    max_tokens=2 + i,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
                 )
                 return [chunk async for chunk in stream][-1].usage.completion_tokens
-            answer = await client.chat.completions.create(model=REAL_MODEL, messages=messages, max_tokens=2 + i, extra_body={"ignore_eos": True})
+            answer = await client.chat.completions.create(
+                model=REAL_MODEL, messages=messages, max_tokens=2 + i, extra_body={"ignore_eos": True}
+            )
             return answer.usage.completion_tokens
 
         counts = await asyncio.gather(*(ask(i) for i in range(10)))

@@ -9,7 +9,16 @@ import asyncio
 import aiohttp
 import openai
 import pytest
-from gateway_support import MODEL, announce, finish, publish, running_gateway, take_request, words_script, worker_running
+from gateway_support import (
+    MODEL,
+    announce,
+    finish,
+    publish,
+    running_gateway,
+    take_request,
+    words_script,
+    worker_running,
+)
 
 import protocol
 from protocol.redis_client import connect
@@ -58,7 +67,10 @@ async def test_a_gap_in_the_offsets_is_an_error_never_a_shorter_answer(gateway_u
 
 async def test_a_done_counting_more_tokens_than_arrived_is_an_error(gateway_url, redis_client):
     def lost_tail(request):
-        return [[protocol.delta_event(request.id, 0, "Hello", [1], 0)], [protocol.done_event(request.id, 2, "length", 5, 2, 0)]]
+        return [
+            [protocol.delta_event(request.id, 0, "Hello", [1], 0)],
+            [protocol.done_event(request.id, 2, "length", 5, 2, 0)],
+        ]
 
     await announce(redis_client)
     worker = asyncio.create_task(_serve_one(redis_client, lost_tail))
@@ -157,7 +169,10 @@ async def test_the_sdk_retries_a_lost_answer_and_gets_a_whole_one(gateway_url, r
     def first_loses_a_token(request):
         attempts.append(request.id)
         if len(attempts) == 1:
-            return [[protocol.delta_event(request.id, 1, " world", [2], 1)], [protocol.done_event(request.id, 2, "length", 5, 2, 0)]]
+            return [
+                [protocol.delta_event(request.id, 1, " world", [2], 1)],
+                [protocol.done_event(request.id, 2, "length", 5, 2, 0)],
+            ]
         return words_script(["Hello", " world"], finish_reason="length")(request)
 
     async with worker_running(redis_client, first_loses_a_token):

@@ -17,7 +17,6 @@ from gateway_support import MODEL, announce, publish, running_gateway, take_requ
 from worker_helpers import wait_for
 
 import protocol
-
 from gateway.browser_guard import allowed_hosts, host_name
 
 KEY = "sk-hardening"
@@ -35,7 +34,9 @@ def deep_schema(levels: int) -> dict:
 # item 9: keys everywhere but the probes; /ready cheap
 
 
-@pytest.mark.parametrize("method, path", [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/v1/models")])
+@pytest.mark.parametrize(
+    "method, path", [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/v1/models")]
+)
 async def test_with_keys_every_endpoint_but_the_probes_needs_one(redis_url, redis_client, method, path) -> None:
     await announce(redis_client)
     async with running_gateway(redis_url, api_keys=KEY) as url, aiohttp.ClientSession() as http:
@@ -44,7 +45,9 @@ async def test_with_keys_every_endpoint_but_the_probes_needs_one(redis_url, redi
             assert (await response.json())["error"]["code"] == "invalid_api_key"
 
 
-async def test_with_keys_probes_and_the_chat_page_stay_open_and_metrics_scrape_with_a_key(redis_url, redis_client) -> None:
+async def test_with_keys_probes_and_the_chat_page_stay_open_and_metrics_scrape_with_a_key(
+    redis_url, redis_client
+) -> None:
     await announce(redis_client)
     async with running_gateway(redis_url, api_keys=KEY) as url, aiohttp.ClientSession() as http:
         for path in ("/health", "/ready", "/", "/static/app.js"):
@@ -127,7 +130,9 @@ async def test_a_page_of_another_origin_cannot_post_even_without_a_body(redis_ur
         async with http.post(cancel, headers={"Origin": page}) as response:
             assert response.status == 403
     async with running_gateway(redis_url, allowed_origins=page) as url, aiohttp.ClientSession() as http:
-        async with http.post(url + "/v1/messages/batches/msgbatch_0123456789abcdef/cancel", headers={"Origin": page}) as response:
+        async with http.post(
+            url + "/v1/messages/batches/msgbatch_0123456789abcdef/cancel", headers={"Origin": page}
+        ) as response:
             assert response.status != 403
 
 
@@ -146,7 +151,10 @@ def test_allowed_hosts_defaults_by_listen_address() -> None:
 async def test_deeply_nested_bodies_and_schemas_are_a_400(redis_url, redis_client) -> None:
     await announce(redis_client)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    schema_body = {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": deep_schema(300)}}}
+    schema_body = {
+        **chat,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": deep_schema(300)}},
+    }
     deep_raw = '{"model": "tiny-test", "x": ' + "[" * 5000 + "]" * 5000 + "}"
     async with running_gateway(redis_url, pickup_timeout=1.0) as url, aiohttp.ClientSession() as http:
         async with http.post(url + CHAT, json=schema_body) as response:
@@ -155,10 +163,14 @@ async def test_deeply_nested_bodies_and_schemas_are_a_400(redis_url, redis_clien
         async with http.post(url + CHAT, data=deep_raw, headers={"Content-Type": "application/json"}) as response:
             assert response.status == 400, await response.text()
             assert (await response.json())["error"]["type"] == "invalid_request_error"
-        async with http.post(url + "/v1/messages", data=deep_raw, headers={"Content-Type": "application/json"}) as response:
+        async with http.post(
+            url + "/v1/messages", data=deep_raw, headers={"Content-Type": "application/json"}
+        ) as response:
             assert response.status == 400
             assert (await response.json())["type"] == "error"
-        async with http.post(url + "/v1/messages/batches", data=deep_raw, headers={"Content-Type": "application/json"}) as response:
+        async with http.post(
+            url + "/v1/messages/batches", data=deep_raw, headers={"Content-Type": "application/json"}
+        ) as response:
             assert response.status == 400
             assert (await response.json())["error"]["type"] == "invalid_request_error"
 
@@ -222,14 +234,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def test_eight_non_reading_streams_leave_the_gateway_process_rss_bounded(redis_url, redis_client, tmp_path) -> None:
+async def test_eight_non_reading_streams_leave_the_gateway_process_rss_bounded(
+    redis_url, redis_client, tmp_path
+) -> None:
     """A gateway process; 8 streams whose clients never read get 12.5 MiB each, paced as a fast model
     would send it; the process's RSS grows by less than a bound (before: by everything sent)."""
     port = _free_port()
     log = open(tmp_path / "gateway.log", "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "lmq", "gateway", "--redis-url", redis_url, "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LMQ_WRITE_TIMEOUT": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "LMQ_WRITE_TIMEOUT": "1"},
     )
     try:
         await announce(redis_client)
@@ -249,7 +265,9 @@ async def test_eight_non_reading_streams_leave_the_gateway_process_rss_bounded(r
             peak = baseline
             for i in range(200):
                 for _, request in taken:
-                    await publish(redis_client, request, [protocol.delta_event(request.id, i, "x" * 65536, [100 + i], i)])
+                    await publish(
+                        redis_client, request, [protocol.delta_event(request.id, i, "x" * 65536, [100 + i], i)]
+                    )
                 peak = max(peak, _rss_mib(process.pid))
                 await asyncio.sleep(0.03)
             await asyncio.sleep(1.5)

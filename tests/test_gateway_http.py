@@ -5,9 +5,9 @@ from __future__ import annotations
 import aiohttp
 import msgpack
 import pytest
+from gateway_support import MODEL, announce, running_gateway, words_script, worker_running
 
 import protocol
-from gateway_support import MODEL, announce, running_gateway, words_script, worker_running
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -71,7 +71,13 @@ def assert_anthropic_error(status, body, expected_status, kind):
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice.function.name",
+        ),
         ({"stop": 7}, "stop"),
         ({"stream": "yes"}, "stream"),
         ({"presence_penalty": 3}, "presence_penalty"),
@@ -79,7 +85,10 @@ def assert_anthropic_error(status, body, expected_status, kind):
         ({"logit_bias": {"5": 500}}, "logit_bias"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+        ),
         ({"model": 5}, "model"),
     ],
 )
@@ -102,11 +111,15 @@ async def test_unknown_model_is_404_in_each_shape(gateway_url, http):
 
 
 async def test_malformed_json_and_non_objects_are_400(gateway_url, http):
-    async with http.post(gateway_url + CHAT, data=b"{not json", headers={"Content-Type": "application/json"}) as response:
+    async with http.post(
+        gateway_url + CHAT, data=b"{not json", headers={"Content-Type": "application/json"}
+    ) as response:
         assert_openai_error(response.status, await response.json(), 400)
     status, body, _ = await post(http, gateway_url + CHAT, [1, 2])
     assert_openai_error(status, body, 400)
-    async with http.post(gateway_url + MESSAGES, data=b"\xff\xfe", headers={"Content-Type": "application/json"}) as response:
+    async with http.post(
+        gateway_url + MESSAGES, data=b"\xff\xfe", headers={"Content-Type": "application/json"}
+    ) as response:
         assert_anthropic_error(response.status, await response.json(), 400, "invalid_request_error")
 
 
@@ -119,7 +132,9 @@ async def test_oversized_body_is_413_in_each_shape(gateway_url, http):
     big = "x" * (100 * 1024)
     status, body, _ = await post(http, gateway_url + CHAT, chat_body(messages=[{"role": "user", "content": big}]))
     assert_openai_error(status, body, 413)
-    status, body, _ = await post(http, gateway_url + MESSAGES, anthropic_body(messages=[{"role": "user", "content": big}]))
+    status, body, _ = await post(
+        http, gateway_url + MESSAGES, anthropic_body(messages=[{"role": "user", "content": big}])
+    )
     assert_anthropic_error(status, body, 413, "request_too_large")
 
 
@@ -129,7 +144,9 @@ async def test_a_request_over_the_protocol_limits_is_413(redis_url, redis_client
     async with running_gateway(redis_url) as url:
         status, body, _ = await post(http, url + CHAT, chat_body(messages=[{"role": "user", "content": too_long}]))
         assert_openai_error(status, body, 413)
-        status, body, _ = await post(http, url + "/v1/completions", {"model": MODEL, "prompt": "fox", "stop": ["a"] * 17})
+        status, body, _ = await post(
+            http, url + "/v1/completions", {"model": MODEL, "prompt": "fox", "stop": ["a"] * 17}
+        )
         assert_openai_error(status, body, 400)
     assert not await redis_client.exists(protocol.request_stream(MODEL))  # nothing was enqueued
 
@@ -174,9 +191,13 @@ async def test_keys_are_required_when_configured(redis_url, redis_client, http, 
     async with running_gateway(redis_url, api_keys="k1, k2", api_keys_file=str(key_file)) as url:
         status, body, _ = await post(http, url + CHAT, chat_body(temperature=9))
         assert_openai_error(status, body, 401)
-        status, body, _ = await post(http, url + CHAT, chat_body(temperature=9), headers={"Authorization": "Bearer wrong"})
+        status, body, _ = await post(
+            http, url + CHAT, chat_body(temperature=9), headers={"Authorization": "Bearer wrong"}
+        )
         assert_openai_error(status, body, 401)
-        status, body, _ = await post(http, url + MESSAGES, anthropic_body(temperature=9), headers={"x-api-key": "wrong"})
+        status, body, _ = await post(
+            http, url + MESSAGES, anthropic_body(temperature=9), headers={"x-api-key": "wrong"}
+        )
         assert_anthropic_error(status, body, 401, "authentication_error")
         # a right key gets past auth (to the validation error the bad temperature earns)
         for headers in ({"Authorization": "Bearer k2"}, {"x-api-key": "k1"}, {"Authorization": "Bearer file-key"}):
@@ -237,7 +258,17 @@ async def test_a_malformed_heartbeat_is_skipped_not_a_500(redis_url, redis_clien
     """A heartbeat key with `model` a list (anything that can write lmq:worker:* could write it):
     /ready, /v1/models and requests still answer from the good heartbeats."""
     await announce(redis_client, MODEL, "good")
-    bad = {"v": 1, "worker_id": "evil", "model": ["x"], "capacity": 4, "running": 0, "waiting": 0, "kv_pages_used": 0, "kv_pages_total": 8, "time": 1.0}
+    bad = {
+        "v": 1,
+        "worker_id": "evil",
+        "model": ["x"],
+        "capacity": 4,
+        "running": 0,
+        "waiting": 0,
+        "kv_pages_used": 0,
+        "kv_pages_total": 8,
+        "time": 1.0,
+    }
     await redis_client.set(protocol.worker_key("evil"), msgpack.packb(bad), ex=60)
     async with running_gateway(redis_url) as url:
         async with http.get(url + "/ready") as response:
@@ -245,5 +276,7 @@ async def test_a_malformed_heartbeat_is_skipped_not_a_500(redis_url, redis_clien
         async with http.get(url + "/v1/models") as response:
             assert response.status == 200 and [model["id"] for model in (await response.json())["data"]] == [MODEL]
         async with worker_running(redis_client, words_script(["Hi"])):
-            async with http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}) as response:
+            async with http.post(
+                url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+            ) as response:
                 assert response.status == 200, await response.text()

@@ -15,7 +15,16 @@ import aiohttp
 import anthropic
 import openai
 import pytest
-from gateway_support import MODEL, announce, finish, publish, running_gateway, take_request, words_script, worker_running
+from gateway_support import (
+    MODEL,
+    announce,
+    finish,
+    publish,
+    running_gateway,
+    take_request,
+    words_script,
+    worker_running,
+)
 from worker_helpers import wait_for
 
 import protocol
@@ -58,7 +67,10 @@ async def gateway_url(redis_url):
 
 async def test_chat_stream_chunks_share_id_and_created_and_end_with_done(gateway_url, redis_client):
     async with worker_running(redis_client, words_script(WORDS)):
-        events = await post_sse(gateway_url + "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        events = await post_sse(
+            gateway_url + "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        )
     assert events[-1] == (None, "[DONE]")
     chunks = [json.loads(data) for _, data in events[:-1]]
     assert {chunk["id"] for chunk in chunks} == {chunks[0]["id"]} and chunks[0]["id"].startswith("chatcmpl-")
@@ -70,19 +82,31 @@ async def test_chat_stream_chunks_share_id_and_created_and_end_with_done(gateway
 
 
 async def test_chat_stream_with_include_usage_ends_with_a_usage_chunk(gateway_url, redis_client):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with worker_running(redis_client, words_script(WORDS, prompt_tokens=9, cached_tokens=4)):
         events = await post_sse(gateway_url + "/v1/chat/completions", body)
     chunks = [json.loads(data) for _, data in events[:-1]]
     *content, last = chunks
     assert all(chunk["usage"] is None for chunk in content)
     assert last["choices"] == []
-    assert last["usage"] == {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 4}}
+    assert last["usage"] == {
+        "prompt_tokens": 9,
+        "completion_tokens": 4,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
 
 
 async def test_legacy_completion_streams_text_chunks(gateway_url, redis_client):
     async with worker_running(redis_client, words_script(WORDS, finish_reason="length")) as received:
-        events = await post_sse(gateway_url + "/v1/completions", {"model": MODEL, "prompt": [[5, 6, 7]], "stream": True, "max_tokens": 4})
+        events = await post_sse(
+            gateway_url + "/v1/completions", {"model": MODEL, "prompt": [[5, 6, 7]], "stream": True, "max_tokens": 4}
+        )
     assert received[0].prompt_ids == [5, 6, 7]
     chunks = [json.loads(data) for _, data in events[:-1]]
     assert all(chunk["object"] == "text_completion" for chunk in chunks)
@@ -95,7 +119,10 @@ async def test_request_fields_reach_the_worker(gateway_url, redis_client):
     async with worker_running(redis_client, words_script(WORDS)) as received:
         await client.chat.completions.create(
             model=MODEL,
-            messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
             max_completion_tokens=12,
             temperature=0.5,
             top_p=0.9,
@@ -109,8 +136,19 @@ async def test_request_fields_reach_the_worker(gateway_url, redis_client):
     request = received[0]
     assert request.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"}]
     sampling = request.sampling
-    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (12, 0.5, 0.9, 20, 0.05)
-    assert (sampling.seed, sampling.stop, sampling.presence_penalty, sampling.repetition_penalty) == (3, ["END"], 0.5, 1.1)
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (
+        12,
+        0.5,
+        0.9,
+        20,
+        0.05,
+    )
+    assert (sampling.seed, sampling.stop, sampling.presence_penalty, sampling.repetition_penalty) == (
+        3,
+        ["END"],
+        0.5,
+        1.1,
+    )
     assert sampling.logit_bias == {17: -5.0} and sampling.ignore_eos
     assert request.reply.kind == "pubsub" and request.reply.key.startswith("lmq:reply:")
 
@@ -126,7 +164,13 @@ async def test_openai_sdk_reads_a_whole_answer_with_usage(gateway_url, redis_cli
 
 
 async def test_anthropic_stream_has_the_event_sequence(gateway_url, redis_client):
-    body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "stream": True, "stop_sequences": ["!"]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stop_sequences": ["!"],
+    }
 
     def stopped_by_sequence(request):
         *batches, _ = words_script(WORDS[:3])(request)
@@ -144,17 +188,27 @@ async def test_anthropic_stream_has_the_event_sequence(gateway_url, redis_client
     assert data[0]["message"]["id"].startswith("msg_")
     assert "".join(item["delta"]["text"] for item in data[3:-3]) == "".join(WORDS[:3])
     assert data[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "!"}
-    assert data[-2]["usage"] == {"input_tokens": 5, "output_tokens": 3, "cache_read_input_tokens": 2, "cache_creation_input_tokens": 0}
+    assert data[-2]["usage"] == {
+        "input_tokens": 5,
+        "output_tokens": 3,
+        "cache_read_input_tokens": 2,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 async def test_anthropic_sdk_stream_and_message(gateway_url, redis_client):
     client = anthropic.AsyncAnthropic(base_url=gateway_url, api_key="none", max_retries=0)
     async with worker_running(redis_client, words_script(WORDS, finish_reason="length")) as received:
-        async with client.messages.stream(model=MODEL, max_tokens=4, system="Be brief.", messages=[{"role": "user", "content": "hi"}]) as stream:
+        async with client.messages.stream(
+            model=MODEL, max_tokens=4, system="Be brief.", messages=[{"role": "user", "content": "hi"}]
+        ) as stream:
             texts = [text async for text in stream.text_stream]
             message = await stream.get_final_message()
         whole = await client.messages.create(
-            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], extra_body={"temperature": 0.2, "top_k": 5}
+            model=MODEL,
+            max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            extra_body={"temperature": 0.2, "top_k": 5},
         )
     assert "".join(texts) == "".join(WORDS)
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 4 and message.usage.input_tokens == 7
@@ -187,13 +241,19 @@ async def test_worker_errors_become_http_errors_in_each_shape(gateway_url, redis
         with pytest.raises(openai.APIStatusError) as openai_error:
             await openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
         with pytest.raises(anthropic.APIStatusError) as anthropic_error:
-            await anthropic_client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+            await anthropic_client.messages.create(
+                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
         with pytest.raises(openai.APIError, match="it went wrong"):  # inside an open stream
-            stream = await openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
+            stream = await openai_client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+            )
             async for _ in stream:
                 pass
         with pytest.raises(anthropic.APIStatusError, match="it went wrong"):
-            async with anthropic_client.messages.stream(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}]) as stream:
+            async with anthropic_client.messages.stream(
+                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            ) as stream:
                 async for _ in stream:
                     pass
     assert openai_error.value.status_code == status and openai_error.value.body["code"] == code
@@ -256,7 +316,12 @@ async def test_a_client_leaving_while_waiting_withdraws_the_request(gateway_url,
     await announce(redis_client)
     stream = protocol.request_stream(MODEL)
     async with cancels_heard(redis_client) as cancelled, aiohttp.ClientSession() as http:
-        call = asyncio.create_task(http.post(gateway_url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}))
+        call = asyncio.create_task(
+            http.post(
+                gateway_url + "/v1/messages",
+                json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+            )
+        )
         await wait_for(lambda: redis_client.xlen(stream), what="the request in the stream", timeout=WAIT_S)
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)

@@ -122,7 +122,9 @@ async def test_the_gateways_cancel_carries_the_token_its_request_names(gateway_u
     await pubsub.subscribe(protocol.CANCEL_CHANNEL)
     body = {**chat("key-a", "order-42")["json"], "stream": True}
     async with aiohttp.ClientSession() as http:
-        async with http.post(gateway_url + "/v1/chat/completions", json=body, headers=chat("key-a", "order-42")["headers"]) as response:
+        async with http.post(
+            gateway_url + "/v1/chat/completions", json=body, headers=chat("key-a", "order-42")["headers"]
+        ) as response:
             [(entry_id, request)] = await take(redis_client, 1)
             await publish(redis_client, request, [protocol.delta_event(request.id, 0, "Hi", [1], 0)])
             async for line in response.content:
@@ -157,7 +159,14 @@ def test_on_a_cluster_each_choice_replies_on_its_own_shards_channel():
     shards = sharded(12)
     router = ShardedReplyRouter(redis=None, shards=shards, gateway_id="g1")  # type: ignore[arg-type]
     gateway = types.SimpleNamespace(replies=router, metrics=_NoMetrics())
-    base = protocol.Request(id="job-77", model=MODEL, reply=router.reply_for("job-77"), sampling=protocol.SamplingParams(), deadline=2e9, prompt="hi")
+    base = protocol.Request(
+        id="job-77",
+        model=MODEL,
+        reply=router.reply_for("job-77"),
+        sampling=protocol.SamplingParams(),
+        deadline=2e9,
+        prompt="hi",
+    )
     choices = Choices(gateway, choice_requests([base], 8), "chat")  # type: ignore[arg-type]
     for generation in choices.generations:
         shard = shards.for_request(generation.request.id)
@@ -180,7 +189,10 @@ def test_a_request_whose_reader_left_too_many_events_unread_is_ended_and_its_que
     router = ReplyRouter(redis=None, channel="lmq:reply:test")  # type: ignore[arg-type]
     slow, other = router.open("slow"), router.open("other")
     for offset in range(12):
-        batch = [protocol.delta_event("slow", offset, "a", [1], offset), protocol.delta_event("other", offset, "b", [2], offset)]
+        batch = [
+            protocol.delta_event("slow", offset, "a", [1], offset),
+            protocol.delta_event("other", offset, "b", [2], offset),
+        ]
         router._route(protocol.encode_event_batch(batch))
         other.get_nowait()  # this reader keeps up
     assert slow.qsize() == 1 and slow.get_nowait()["type"] == "error"

@@ -16,11 +16,11 @@ import jsonschema
 import llguidance
 import pytest
 import torch
+from engine_runs import generate, greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
-from engine_runs import generate, greedy
 from protocol import SamplingParams
 from worker.engine import Engine, GenRequest
 from worker.grammar import GrammarCompiler, apply_token_masks, lark_json
@@ -39,7 +39,10 @@ PERSON = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 8}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city", "zip"],
             "additionalProperties": False,
         },
@@ -57,7 +60,10 @@ PETS = {
             "maxItems": 2,
             "items": {
                 "type": "object",
-                "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+                "properties": {
+                    "kind": {"enum": ["cat", "dog"]},
+                    "legs": {"type": "integer", "minimum": 0, "maximum": 4},
+                },
                 "required": ["kind", "legs"],
                 "additionalProperties": False,
             },
@@ -108,7 +114,9 @@ def test_token_bytes_spell_the_text_of_byte_level_tokens(model: LoadedModel) -> 
     ids = prompt(model, text)
     table = token_bytes(model.tokenizer)
     assert b"".join(table[token] for token in ids) == text.encode()
-    assert any(table[token].decode("utf-8", errors="replace") != table[token].decode("utf-8", errors="ignore") for token in ids)
+    assert any(
+        table[token].decode("utf-8", errors="replace") != table[token].decode("utf-8", errors="ignore") for token in ids
+    )
     assert token_text(model.tokenizer, model.tokenizer.token_to_id("<|im_end|>")) == "<|im_end|>"
     assert token_text(model.tokenizer, len(table) + 5) == ""
 
@@ -117,7 +125,9 @@ def test_token_bytes_agree_with_llguidance_reading_of_the_tokenizer(model: Loade
     own = token_bytes(model.tokenizer)
     theirs = llguidance.LLTokenizer(model.tokenizer.to_str(), n_vocab=len(own))
     # llguidance drops a lone 0xFF byte (its marker for special tokens); the bytes are still 0xFF.
-    assert [raw if raw != b"\xff" else b"" for raw in own] == [theirs.decode_bytes([token]) for token in range(len(own))]
+    assert [raw if raw != b"\xff" else b"" for raw in own] == [
+        theirs.decode_bytes([token]) for token in range(len(own))
+    ]
 
 
 def test_token_bytes_of_a_sentencepiece_vocabulary() -> None:
@@ -148,7 +158,9 @@ def test_token_bytes_of_a_sentencepiece_vocabulary() -> None:
         ({"type": "json_schema", "schema": {"const": float("nan")}}, "not plain JSON"),
     ],
 )
-def test_a_bad_constraint_is_a_value_error_that_says_why(compiler: GrammarCompiler, constraint: dict, message: str) -> None:
+def test_a_bad_constraint_is_a_value_error_that_says_why(
+    compiler: GrammarCompiler, constraint: dict, message: str
+) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         compiler.check(constraint)
     with pytest.raises(ValueError, match=re.escape(message)):  # remembered, same answer
@@ -167,8 +179,16 @@ def test_a_bad_constraint_is_refused_before_it_is_queued(model: LoadedModel) -> 
 
 
 def test_compiled_grammars_are_cached_by_content_and_property_order(compiler: GrammarCompiler) -> None:
-    first = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
-    swapped = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}, "required": ["a", "b"]}
+    first = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    }
+    swapped = {
+        "type": "object",
+        "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}},
+        "required": ["a", "b"],
+    }
     assert compiler._pristine(json_schema(first)) is compiler._pristine(json_schema(json.loads(json.dumps(first))))
     assert compiler._pristine(json_schema(first)) is not compiler._pristine(json_schema(swapped))
 
@@ -182,7 +202,9 @@ def allowed_next(compiler: GrammarCompiler, matcher, vocab: int) -> set[int]:
     return set(torch.nonzero(logits[0] == 0).flatten().tolist())
 
 
-def test_the_mask_allows_exactly_the_tokens_that_continue_the_grammar(model: LoadedModel, compiler: GrammarCompiler) -> None:
+def test_the_mask_allows_exactly_the_tokens_that_continue_the_grammar(
+    model: LoadedModel, compiler: GrammarCompiler
+) -> None:
     vocab = model.config.vocab_size
     table = token_bytes(model.tokenizer)
     matcher = compiler.matcher({"type": "regex", "pattern": "(yes|no)!"})
@@ -202,7 +224,15 @@ def test_masked_rows_sample_only_allowed_tokens_and_other_rows_are_untouched(
 
     def state(grammar=None, **overrides) -> SamplingState:
         chosen = SamplingParams(**{**params.__dict__, **overrides})
-        return SamplingState(chosen, prompt_ids=[], generated_ids=[], vocab_size=vocab, device=torch.device("cpu"), grammar=grammar, logprobs=20)
+        return SamplingState(
+            chosen,
+            prompt_ids=[],
+            generated_ids=[],
+            vocab_size=vocab,
+            device=torch.device("cpu"),
+            grammar=grammar,
+            logprobs=20,
+        )
 
     constraint = {"type": "regex", "pattern": "[0-9]{3}"}
     digits = allowed_next(compiler, compiler.matcher(constraint), vocab)
@@ -237,9 +267,20 @@ def test_constrained_output_always_parses_and_validates(
     bias = no_whitespace_runs(model)
 
     def params(offset: int) -> SamplingParams:
-        return SamplingParams(max_tokens=220, temperature=temperature, top_k=top_k, top_p=top_p, min_p=0.0, seed=seed + offset, logit_bias=bias)
+        return SamplingParams(
+            max_tokens=220,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=0.0,
+            seed=seed + offset,
+            logit_bias=bias,
+        )
 
-    requests = [GenRequest(f"s{i}", prompt(model), params(i), constraint=json_schema(schema)) for i, schema in enumerate(SCHEMAS)]
+    requests = [
+        GenRequest(f"s{i}", prompt(model), params(i), constraint=json_schema(schema))
+        for i, schema in enumerate(SCHEMAS)
+    ]
     requests.append(GenRequest("object", prompt(model), params(7), constraint={"type": "json_object"}))
     requests.append(GenRequest("free", prompt(model), params(8)))
     results = asyncio.run(generate(model, requests, page_size=PAGE))
@@ -255,7 +296,9 @@ def test_constrained_output_always_parses_and_validates(
 
 async def test_json_object_gives_an_object_and_the_grammar_finishes_it(model: LoadedModel) -> None:
     stop_on_eos = {token: 30.0 for token in model.stop_token_ids}  # EOS everywhere it is allowed
-    request = GenRequest("o", prompt(model), greedy(max_tokens=200, logit_bias=stop_on_eos), constraint={"type": "json_object"})
+    request = GenRequest(
+        "o", prompt(model), greedy(max_tokens=200, logit_bias=stop_on_eos), constraint={"type": "json_object"}
+    )
     result = (await generate(model, [request], page_size=PAGE))["o"]
     assert result.finish_reason == "stop" and result.error is None
     assert isinstance(json.loads(result.text), dict)
@@ -279,7 +322,12 @@ async def test_eos_is_allowed_only_where_the_grammar_may_end(model: LoadedModel)
 async def test_regex_output_matches_in_full(model: LoadedModel) -> None:
     pattern = r"(yes|no), [0-9]{2,3} (cats|dogs)\."
     requests = [
-        GenRequest(f"r{seed}", prompt(model), SamplingParams(max_tokens=40, temperature=1.2, seed=seed), constraint={"type": "regex", "pattern": pattern})
+        GenRequest(
+            f"r{seed}",
+            prompt(model),
+            SamplingParams(max_tokens=40, temperature=1.2, seed=seed),
+            constraint={"type": "regex", "pattern": pattern},
+        )
         for seed in range(4)
     ]
     results = await generate(model, requests, page_size=PAGE)
@@ -290,11 +338,21 @@ async def test_regex_output_matches_in_full(model: LoadedModel) -> None:
 async def test_lark_tool_call_with_an_embedded_schema(model: LoadedModel) -> None:
     arguments = PETS
     grammar = 'start: "<tool_call>" call "</tool_call>"\ncall: ' + lark_json(
-        {"type": "object", "properties": {"name": {"const": "get_pets"}, "arguments": arguments}, "required": ["name", "arguments"], "additionalProperties": False}
+        {
+            "type": "object",
+            "properties": {"name": {"const": "get_pets"}, "arguments": arguments},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
     )
     bias = no_whitespace_runs(model)
     requests = [
-        GenRequest(f"t{seed}", prompt(model), SamplingParams(max_tokens=200, temperature=0.8, seed=seed, logit_bias=bias), constraint={"type": "lark", "grammar": grammar})
+        GenRequest(
+            f"t{seed}",
+            prompt(model),
+            SamplingParams(max_tokens=200, temperature=0.8, seed=seed, logit_bias=bias),
+            constraint={"type": "lark", "grammar": grammar},
+        )
         for seed in range(3)
     ]
     results = await generate(model, requests, page_size=PAGE)
@@ -310,7 +368,12 @@ async def test_lark_tool_call_with_an_embedded_schema(model: LoadedModel) -> Non
 async def test_lark_text_or_tool_call(model: LoadedModel) -> None:
     grammar = 'start: TEXT | "<tool_call>" call "</tool_call>"\nTEXT: /[^<]{1,12}/\ncall: ' + lark_json(PETS)
     requests = [
-        GenRequest(f"c{seed}", prompt(model), SamplingParams(max_tokens=150, temperature=1.0, seed=seed, logit_bias=no_whitespace_runs(model)), constraint={"type": "lark", "grammar": grammar})
+        GenRequest(
+            f"c{seed}",
+            prompt(model),
+            SamplingParams(max_tokens=150, temperature=1.0, seed=seed, logit_bias=no_whitespace_runs(model)),
+            constraint={"type": "lark", "grammar": grammar},
+        )
         for seed in range(4)
     ]
     for result in (await generate(model, requests, page_size=PAGE)).values():
@@ -324,10 +387,14 @@ async def test_lark_text_or_tool_call(model: LoadedModel) -> None:
 
 async def test_a_resumed_request_keeps_its_grammar_state(model: LoadedModel) -> None:
     params = SamplingParams(max_tokens=200, temperature=0.0, logit_bias=no_whitespace_runs(model))
-    whole = (await generate(model, [GenRequest("w", prompt(model), params, constraint=json_schema(PETS))], page_size=PAGE))["w"]
+    whole = (
+        await generate(model, [GenRequest("w", prompt(model), params, constraint=json_schema(PETS))], page_size=PAGE)
+    )["w"]
     assert whole.finish_reason == "stop" and len(whole.token_ids) > 8
     for cut in (1, 5, len(whole.token_ids) - 1):
-        resumed = GenRequest("r", prompt(model), params, generated_ids=whole.token_ids[:cut], constraint=json_schema(PETS))
+        resumed = GenRequest(
+            "r", prompt(model), params, generated_ids=whole.token_ids[:cut], constraint=json_schema(PETS)
+        )
         result = (await generate(model, [resumed], page_size=PAGE))["r"]
         assert result.token_ids == whole.token_ids[cut:] and result.finish_reason == "stop"
         assert whole.text.endswith(result.text)
@@ -350,7 +417,12 @@ async def test_a_constrained_seeded_request_is_the_same_alone_and_in_a_batch(mod
     alone = (await generate(model, [constrained], page_size=PAGE))["c"]
     others = [
         GenRequest("free", prompt(model, "Hello, world!"), greedy(max_tokens=30)),
-        GenRequest("other", prompt(model, "Numbers"), SamplingParams(max_tokens=60, temperature=0.7, seed=3), constraint={"type": "regex", "pattern": "[0-9]{40}"}),
+        GenRequest(
+            "other",
+            prompt(model, "Numbers"),
+            SamplingParams(max_tokens=60, temperature=0.7, seed=3),
+            constraint={"type": "regex", "pattern": "[0-9]{40}"},
+        ),
     ]
     batched = await generate(model, [*others, constrained], joins={"c": 2}, page_size=PAGE)
     assert batched["c"].token_ids == alone.token_ids and batched["c"].finish_reason == alone.finish_reason == "stop"
@@ -376,10 +448,20 @@ async def test_the_default_model_answers_in_the_schema() -> None:
         "additionalProperties": False,
     }
     requests = [
-        GenRequest(f"p{seed}", ids, SamplingParams(max_tokens=160, temperature=0.0 if seed == 0 else 0.9, seed=seed), constraint=json_schema(schema), logprobs=2)
+        GenRequest(
+            f"p{seed}",
+            ids,
+            SamplingParams(max_tokens=160, temperature=0.0 if seed == 0 else 0.9, seed=seed),
+            constraint=json_schema(schema),
+            logprobs=2,
+        )
         for seed in range(4)
     ]
-    requests.append(GenRequest("obj", ids, SamplingParams(max_tokens=160, temperature=0.7, seed=5), constraint={"type": "json_object"}))
+    requests.append(
+        GenRequest(
+            "obj", ids, SamplingParams(max_tokens=160, temperature=0.7, seed=5), constraint={"type": "json_object"}
+        )
+    )
     results = await generate(model, requests, page_size=16)
     for index in range(4):
         result = results[f"p{index}"]
@@ -403,8 +485,14 @@ async def test_a_grammar_that_breaks_mid_run_fails_its_sequence_only(model: Load
             active.sampling.grammar.consume(model.tokenizer.token_to_id("<|im_start|>"))
 
     engine = Engine(model, on_step=on_step, page_size=PAGE)
-    engine.add(GenRequest("broken", prompt(model), greedy(max_tokens=40), constraint={"type": "regex", "pattern": "[a-z ]{30}"}))
-    engine.add(GenRequest("fine", prompt(model), greedy(max_tokens=10), constraint={"type": "regex", "pattern": "[0-9]{5}"}))
+    engine.add(
+        GenRequest(
+            "broken", prompt(model), greedy(max_tokens=40), constraint={"type": "regex", "pattern": "[a-z ]{30}"}
+        )
+    )
+    engine.add(
+        GenRequest("fine", prompt(model), greedy(max_tokens=10), constraint={"type": "regex", "pattern": "[0-9]{5}"})
+    )
     engine.stop()
     await asyncio.wait_for(engine.run(), 300)
     broken, fine = outputs["broken"][-1], outputs["fine"][-1]

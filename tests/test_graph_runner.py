@@ -13,9 +13,9 @@ import random
 
 import pytest
 import torch
-
 from paged_steps import Chunk, allocate_kv, make_batch
 from tiny_model import make_tiny_model
+
 from worker.batch import PagedKV
 from worker.cuda.graphs import EagerGraphs, GraphedStep, batch_buckets, graphed
 from worker.cuda.paged_decode import PagedDecode, PagedDecodeBatch
@@ -28,7 +28,9 @@ SENTINEL = 7.0  # pages no sequence owns hold this; a padding row that wrote K/V
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
-    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=5)), dtype="float32", quant="none", device="cpu")
+    return load_model(
+        str(make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=5)), dtype="float32", quant="none", device="cpu"
+    )
 
 
 def sentinel_kv(config) -> PagedKV:
@@ -145,8 +147,13 @@ def test_a_model_that_cannot_be_captured_keeps_running_eagerly(tiny) -> None:
         raise RuntimeError("operation not permitted when stream is capturing")
 
     kv = sentinel_kv(tiny.config)
-    assert graphed(reads_back_to_the_host, kv, max_batch=2, num_kv_heads=2, backend=EagerGraphs()) is reads_back_to_the_host
-    assert isinstance(graphed(tiny.model, kv, max_batch=2, num_kv_heads=2, max_graph_context=8, backend=EagerGraphs()), GraphedStep)
+    assert (
+        graphed(reads_back_to_the_host, kv, max_batch=2, num_kv_heads=2, backend=EagerGraphs())
+        is reads_back_to_the_host
+    )
+    assert isinstance(
+        graphed(tiny.model, kv, max_batch=2, num_kv_heads=2, max_graph_context=8, backend=EagerGraphs()), GraphedStep
+    )
 
 
 def test_a_replayed_step_returns_logits_for_its_sampling_rows_only(tiny) -> None:

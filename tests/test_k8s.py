@@ -36,19 +36,51 @@ KUBERNETES_VERSIONS = ["1.29", kubernetes_validate.latest_version()]
 
 # KEDA's documented fields (ScaledObject spec, the redis-streams trigger's metadata, TriggerAuthentication).
 SCALED_OBJECT_SPEC = {
-    "scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod", "idleReplicaCount",
-    "minReplicaCount", "maxReplicaCount", "fallback", "advanced", "triggers",
+    "scaleTargetRef",
+    "pollingInterval",
+    "cooldownPeriod",
+    "initialCooldownPeriod",
+    "idleReplicaCount",
+    "minReplicaCount",
+    "maxReplicaCount",
+    "fallback",
+    "advanced",
+    "triggers",
 }
 SCALE_TARGET_REF = {"apiVersion", "kind", "name", "envSourceContainerName"}
 TRIGGER = {"type", "name", "metadata", "authenticationRef", "metricType", "useCachedMetrics"}
 REDIS_STREAMS_METADATA = {
-    "address", "host", "port", "addressFromEnv", "hostFromEnv", "portFromEnv", "usernameFromEnv", "passwordFromEnv",
-    "stream", "consumerGroup", "pendingEntriesCount", "streamLength", "lagCount", "activationLagCount",
-    "enableTLS", "unsafeSsl", "databaseIndex",
+    "address",
+    "host",
+    "port",
+    "addressFromEnv",
+    "hostFromEnv",
+    "portFromEnv",
+    "usernameFromEnv",
+    "passwordFromEnv",
+    "stream",
+    "consumerGroup",
+    "pendingEntriesCount",
+    "streamLength",
+    "lagCount",
+    "activationLagCount",
+    "enableTLS",
+    "unsafeSsl",
+    "databaseIndex",
 }
 # TriggerAuthentication parameters the redis-streams scaler reads.
 REDIS_STREAMS_AUTH_PARAMETERS = {"username", "password", "tls", "ca", "cert", "key", "keyPassword"}
-TRIGGER_AUTHENTICATION_SPEC = {"secretTargetRef", "env", "configMapTargetRef", "podIdentity", "hashiCorpVault", "azureKeyVault", "awsSecretManager", "gcpSecretManager", "boundServiceAccountToken"}
+TRIGGER_AUTHENTICATION_SPEC = {
+    "secretTargetRef",
+    "env",
+    "configMapTargetRef",
+    "podIdentity",
+    "hashiCorpVault",
+    "azureKeyVault",
+    "awsSecretManager",
+    "gcpSecretManager",
+    "boundServiceAccountToken",
+}
 
 
 def load(path: Path) -> list[dict]:
@@ -83,7 +115,9 @@ def core_documents() -> list[tuple[str, dict]]:
 
 
 def pod_templates(objects: dict) -> dict[str, dict]:
-    return {name: obj["spec"]["template"] for (kind, name), obj in objects.items() if kind in ("Deployment", "StatefulSet")}
+    return {
+        name: obj["spec"]["template"] for (kind, name), obj in objects.items() if kind in ("Deployment", "StatefulSet")
+    }
 
 
 def container(objects: dict, kind: str, name: str) -> dict:
@@ -100,7 +134,18 @@ def quantity(text: str | int) -> float:
     """A Kubernetes quantity ("3Gi", "250m", "2") as a number (bytes or cores)."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)(m|Ki|Mi|Gi|Ti|k|M|G|T)?", str(text))
     assert match, text
-    factor = {None: 1, "m": 1e-3, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    factor = {
+        None: 1,
+        "m": 1e-3,
+        "Ki": 1 << 10,
+        "Mi": 1 << 20,
+        "Gi": 1 << 30,
+        "Ti": 1 << 40,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+    }
     return float(match.group(1)) * factor[match.group(2)]
 
 
@@ -157,10 +202,14 @@ def test_every_pod_meets_the_restricted_pod_security_standard(objects: dict) -> 
         context = spec["securityContext"]
         assert context["runAsNonRoot"] is True and context["runAsUser"] > 0, name
         assert context["seccompProfile"]["type"] == "RuntimeDefault", name
-        assert spec["enableServiceLinks"] is False, f"{name}: service links would put *_PORT variables in the environment"
+        assert spec["enableServiceLinks"] is False, (
+            f"{name}: service links would put *_PORT variables in the environment"
+        )
         assert spec["automountServiceAccountToken"] is False, name
         if name != "lmq-redis":
-            assert (context["runAsUser"], context["runAsGroup"]) == (uid, gid), f"{name}: the image's user (compose/Dockerfile)"
+            assert (context["runAsUser"], context["runAsGroup"]) == (uid, gid), (
+                f"{name}: the image's user (compose/Dockerfile)"
+            )
         for each in spec["containers"]:
             assert each["securityContext"]["allowPrivilegeEscalation"] is False, name
             assert each["securityContext"]["capabilities"]["drop"] == ["ALL"], name
@@ -184,7 +233,10 @@ def test_pods_reach_redis_with_the_password_from_the_secret(objects: dict) -> No
         assert (url.hostname, url.port) == (service["metadata"]["name"], port["port"]), name
     redis = container(objects, "StatefulSet", "lmq-redis")
     (variable,) = redis["env"]
-    assert variable["name"] == "REDIS_PASSWORD" and variable["valueFrom"]["secretKeyRef"] == {"name": "lmq-redis", "key": "password"}
+    assert variable["name"] == "REDIS_PASSWORD" and variable["valueFrom"]["secretKeyRef"] == {
+        "name": "lmq-redis",
+        "key": "password",
+    }
     assert any(p["containerPort"] == 6379 and p["name"] == port["targetPort"] for p in redis["ports"])
 
 
@@ -252,7 +304,8 @@ def test_worker_deployment_is_sized_and_outlasts_its_grace_period(objects: dict)
 
 
 @pytest.mark.parametrize(
-    ("name", "config_class", "check"), [("lmq-gateway", GatewayConfig, check_gateway), ("lmq-worker", WorkerConfig, check_worker)]
+    ("name", "config_class", "check"),
+    [("lmq-gateway", GatewayConfig, check_gateway), ("lmq-worker", WorkerConfig, check_worker)],
 )
 def test_config_maps_hold_lmq_settings_the_cli_accepts(objects: dict, name: str, config_class: type, check) -> None:
     settings = objects[("ConfigMap", name)]["data"]
@@ -285,7 +338,11 @@ def test_scaled_object_scales_workers_on_the_request_stream(objects: dict, kusto
     assert set(spec) <= SCALED_OBJECT_SPEC, set(spec) - SCALED_OBJECT_SPEC
     target = spec["scaleTargetRef"]
     assert set(target) <= SCALE_TARGET_REF
-    assert (target.get("apiVersion", "apps/v1"), target.get("kind", "Deployment"), target["name"]) == ("apps/v1", "Deployment", "lmq-worker")
+    assert (target.get("apiVersion", "apps/v1"), target.get("kind", "Deployment"), target["name"]) == (
+        "apps/v1",
+        "Deployment",
+        "lmq-worker",
+    )
     # Gateways are ready only while a worker serves: with none, no request arrives to scale up on.
     assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
     assert "idleReplicaCount" not in spec
@@ -305,7 +362,10 @@ def test_scaled_object_scales_workers_on_the_request_stream(objects: dict, kusto
         assert set(metadata) <= REDIS_STREAMS_METADATA, set(metadata) - REDIS_STREAMS_METADATA
         assert all(isinstance(value, str) for value in metadata.values()), "KEDA metadata values are strings"
         # The KEDA operator runs in its own namespace: the Service's name with the namespace.
-        assert metadata["address"] == f"{redis_service['metadata']['name']}.{kustomization['namespace']}.svc:{redis_port['port']}"
+        assert (
+            metadata["address"]
+            == f"{redis_service['metadata']['name']}.{kustomization['namespace']}.svc:{redis_port['port']}"
+        )
         assert int(metadata.get("databaseIndex", "0")) == int(redis_url.path.strip("/") or 0)
         assert metadata["stream"] == protocol.request_stream(settings["LMQ_MODEL_NAME"])
         assert metadata["consumerGroup"] == protocol.REQUEST_GROUP
@@ -319,7 +379,9 @@ def test_scaled_object_scales_workers_on_the_request_stream(objects: dict, kusto
             assert int(metadata[mode]) < int(settings["LMQ_MAX_SEQS"])
         if mode == "lagCount":
             assert "activationLagCount" in metadata
-        assert trigger["authenticationRef"]["name"] in {name for kind, name in objects if kind == "TriggerAuthentication"}
+        assert trigger["authenticationRef"]["name"] in {
+            name for kind, name in objects if kind == "TriggerAuthentication"
+        }
         assert "passwordFromEnv" not in metadata, "one source of the password: the TriggerAuthentication"
     assert modes == {"pendingEntriesCount", "lagCount"}
 

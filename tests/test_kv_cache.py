@@ -12,8 +12,13 @@ PAGE = 4
 
 def make_cache(num_pages: int) -> KVCache:
     return KVCache(
-        num_pages=num_pages, page_size=PAGE, num_layers=2, num_kv_heads=1, head_dim=8,
-        dtype=torch.float32, device=torch.device("cpu"),
+        num_pages=num_pages,
+        page_size=PAGE,
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
     )
 
 

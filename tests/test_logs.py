@@ -18,15 +18,26 @@ import time
 
 import aiohttp
 import pytest
+from gateway_support import MODEL, announce, running_gateway, words_script, worker_running
 
 import protocol
-from gateway_support import MODEL, announce, running_gateway, words_script, worker_running
 from lmq import logs
 from lmq.redis_server import free_tcp_port
 from worker.model.loader import load_model
 
 CHAT = "/v1/chat/completions"
-ACCESS_FIELDS = {"request_id", "method", "path", "api", "model", "status", "prompt_tokens", "completion_tokens", "ttft_ms", "duration_ms"}
+ACCESS_FIELDS = {
+    "request_id",
+    "method",
+    "path",
+    "api",
+    "model",
+    "status",
+    "prompt_tokens",
+    "completion_tokens",
+    "ttft_ms",
+    "duration_ms",
+}
 
 
 def chat_body(model: str = MODEL, **fields):
@@ -64,7 +75,9 @@ async def test_the_clients_request_id_goes_everywhere(gateway, access) -> None:
         "status": 200, "prompt_tokens": 7, "completion_tokens": 2, "ttft_ms": 0, "duration_ms": 0,
     }  # fmt: skip
     assert 0 <= line.ttft_ms <= line.duration_ms
-    assert line.getMessage().startswith("request_id=client-42.a:b method=POST path=/v1/chat/completions api=openai model=tiny-test status=200")
+    assert line.getMessage().startswith(
+        "request_id=client-42.a:b method=POST path=/v1/chat/completions api=openai model=tiny-test status=200"
+    )
 
 
 @pytest.mark.parametrize("sent", [None, "has space", "semi;colon", "x" * 129, ""])
@@ -84,13 +97,23 @@ async def test_anthropic_requests_and_errors_are_logged_too(gateway, access) -> 
     url, http, _ = gateway
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     async with http.post(url + "/v1/messages", json=body, headers={"X-Request-Id": "anth-1"}) as response:
-        assert (response.status, response.headers["X-Request-Id"], (await response.json())["id"]) == (200, "anth-1", "anth-1")
-    async with http.post(url + CHAT, json=chat_body(model="no-such-model"), headers={"X-Request-Id": "nf-1"}) as response:
+        assert (response.status, response.headers["X-Request-Id"], (await response.json())["id"]) == (
+            200,
+            "anth-1",
+            "anth-1",
+        )
+    async with http.post(
+        url + CHAT, json=chat_body(model="no-such-model"), headers={"X-Request-Id": "nf-1"}
+    ) as response:
         assert (response.status, response.headers["X-Request-Id"]) == (404, "nf-1")
     async with http.get(url + "/nowhere") as response:
         assert response.status == 404 and response.headers["X-Request-Id"].startswith("req-")
     lines = {r.path: r for r in access()}
-    assert (lines["/v1/messages"].api, lines["/v1/messages"].status, lines["/v1/messages"].completion_tokens) == ("anthropic", 200, 2)
+    assert (lines["/v1/messages"].api, lines["/v1/messages"].status, lines["/v1/messages"].completion_tokens) == (
+        "anthropic",
+        200,
+        2,
+    )
     assert (lines[CHAT].request_id, lines[CHAT].status) == ("nf-1", 404)
     assert (lines["/nowhere"].status, lines["/nowhere"].api) == (404, None)
 
@@ -107,6 +130,7 @@ async def test_an_id_in_progress_is_refused(redis_url, redis_client, access) -> 
     """Two requests with one id at once would share a reply queue: the second gets 409."""
     await announce(redis_client)  # a worker that never answers: the first request stays in flight
     async with running_gateway(redis_url, pickup_timeout=30.0) as url, aiohttp.ClientSession() as http:
+
         async def send_first() -> None:
             async with http.post(url + CHAT, json=chat_body(), headers={"X-Request-Id": "twice"}) as response:
                 await response.read()
@@ -187,11 +211,22 @@ def test_serve_logs_json_with_one_id_from_gateway_to_worker(tiny_model_dir, tmp_
     """`lmq serve --log-format json` (after the subcommand), the level from LMQ_LOG_LEVEL."""
     port = free_tcp_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMQ_") and k not in ("REDIS_URL", "PORT")}
-    env.update(LMQ_MODEL=str(tiny_model_dir), LMQ_MODEL_NAME="tiny", LMQ_DTYPE="float32", LMQ_QUANT="none", LMQ_KV_MEMORY="4MiB", LMQ_LOG_LEVEL="DEBUG")
+    env.update(
+        LMQ_MODEL=str(tiny_model_dir),
+        LMQ_MODEL_NAME="tiny",
+        LMQ_DTYPE="float32",
+        LMQ_QUANT="none",
+        LMQ_KV_MEMORY="4MiB",
+        LMQ_LOG_LEVEL="DEBUG",
+    )
     out, err = tmp_path / "out", tmp_path / "err"
     with out.open("w") as stdout, err.open("w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "lmq", "serve", "--port", str(port), "--log-format", "json"], cwd=tmp_path, env=env, stdout=stdout, stderr=stderr
+            [sys.executable, "-m", "lmq", "serve", "--port", str(port), "--log-format", "json"],
+            cwd=tmp_path,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
         )
     try:
         deadline = time.monotonic() + 120
@@ -203,7 +238,9 @@ def test_serve_logs_json_with_one_id_from_gateway_to_worker(tiny_model_dir, tmp_
         body = json.dumps(request).encode()
         import urllib.request
 
-        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}{CHAT}", body, headers), timeout=60) as response:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"http://127.0.0.1:{port}{CHAT}", body, headers), timeout=60
+        ) as response:
             assert response.headers["X-Request-Id"] == "trace-me-1"
             assert json.loads(response.read())["id"] == "trace-me-1"
         process.send_signal(signal.SIGTERM)
@@ -220,6 +257,9 @@ def test_serve_logs_json_with_one_id_from_gateway_to_worker(tiny_model_dir, tmp_
     assert (line["status"], line["api"], line["model"], line["completion_tokens"]) == (200, "openai", "tiny", 3)
     assert line["prompt_tokens"] > 0 and line["ttft_ms"] is not None and line["duration_ms"] >= line["ttft_ms"]
     worker_lines = [r["message"] for r in mine if r["logger"] == "worker.service"]
-    assert [m.split(":")[0] for m in worker_lines] == ["request_id=trace-me-1 started", "request_id=trace-me-1 finished"]
+    assert [m.split(":")[0] for m in worker_lines] == [
+        "request_id=trace-me-1 started",
+        "request_id=trace-me-1 finished",
+    ]
     assert any(r["level"] == "DEBUG" for r in records), "LMQ_LOG_LEVEL=DEBUG applies"
     assert not (pathlib.Path(tmp_path) / ".lmq").exists()

@@ -62,7 +62,13 @@ GATEWAY_VLLM_ALIASES = {
     "vllm:e2e_request_latency_seconds_count": "lmq_e2e_request_latency_seconds_count",
     "vllm:request_queue_time_seconds_count": "lmq_queue_wait_seconds_count",
 }
-HISTOGRAMS = {"lmq_time_to_first_token_seconds", "lmq_time_per_output_token_seconds", "lmq_e2e_request_latency_seconds", "lmq_queue_wait_seconds", "lmq_step_seconds"}
+HISTOGRAMS = {
+    "lmq_time_to_first_token_seconds",
+    "lmq_time_per_output_token_seconds",
+    "lmq_e2e_request_latency_seconds",
+    "lmq_queue_wait_seconds",
+    "lmq_step_seconds",
+}
 
 
 def promtool_problems(text: str) -> str | None:
@@ -73,7 +79,11 @@ def promtool_problems(text: str) -> str | None:
     result = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=60)
     # promtool's lint reserves ':' for recording rules; vLLM's names have it, and the aliases exist
     # to be those names exactly: that one warning, on those names only, is expected.
-    lines = [line for line in (result.stdout + result.stderr).decode().strip().splitlines() if not (line.startswith("vllm:") and line.endswith("metric names should not contain ':'"))]
+    lines = [
+        line
+        for line in (result.stdout + result.stderr).decode().strip().splitlines()
+        if not (line.startswith("vllm:") and line.endswith("metric names should not contain ':'"))
+    ]
     return "\n".join(lines)
 
 
@@ -104,18 +114,28 @@ async def traffic(http: aiohttp.ClientSession, url: str) -> None:
     anthropic_body = {"model": REAL_MODEL, "max_tokens": MAX_TOKENS, "messages": MESSAGES}
     async with http.post(url + "/v1/chat/completions", json=openai_body | {"messages": MESSAGES}) as response:
         assert response.status == 200, await response.text()
-    async with http.post(url + "/v1/chat/completions", json=openai_body | {"messages": MESSAGES, "stream": True}) as response:
+    async with http.post(
+        url + "/v1/chat/completions", json=openai_body | {"messages": MESSAGES, "stream": True}
+    ) as response:
         assert b"[DONE]" in await response.read()
     async with http.post(url + "/v1/completions", json=openai_body | {"prompt": "Once upon a time"}) as response:
         assert response.status == 200, await response.text()
-    async with http.post(url + "/v1/messages", json=anthropic_body | {"stream": True}, headers=anthropic_headers) as response:
+    async with http.post(
+        url + "/v1/messages", json=anthropic_body | {"stream": True}, headers=anthropic_headers
+    ) as response:
         assert b"message_stop" in await response.read()
-    async with http.post(url + "/v1/messages/count_tokens", json={"model": REAL_MODEL, "messages": MESSAGES}, headers=anthropic_headers) as response:
+    async with http.post(
+        url + "/v1/messages/count_tokens", json={"model": REAL_MODEL, "messages": MESSAGES}, headers=anthropic_headers
+    ) as response:
         assert response.status == 200, await response.text()
     # errors: an unknown model, a body that is not JSON, a path that does not exist
-    async with http.post(url + "/v1/chat/completions", json={"model": "no-such-model", "messages": MESSAGES}) as response:
+    async with http.post(
+        url + "/v1/chat/completions", json={"model": "no-such-model", "messages": MESSAGES}
+    ) as response:
         assert response.status == 404
-    async with http.post(url + "/v1/chat/completions", data=b"{", headers={"Content-Type": "application/json"}) as response:
+    async with http.post(
+        url + "/v1/chat/completions", data=b"{", headers={"Content-Type": "application/json"}
+    ) as response:
         assert response.status == 400
     async with http.get(url + "/v1/nothing-here") as response:
         assert response.status == 404
@@ -133,7 +153,10 @@ async def test_every_metrics_endpoint_passes_promtool_with_the_documented_names(
                 assert response.status == 200
                 worker_text = await response.text()
 
-    for endpoint, text, expected in (("gateway", gateway_text, GATEWAY_METRICS), ("worker", worker_text, WORKER_METRICS)):
+    for endpoint, text, expected in (
+        ("gateway", gateway_text, GATEWAY_METRICS),
+        ("worker", worker_text, WORKER_METRICS),
+    ):
         samples = samples_by_name(text)
         for name, labels in expected.items():
             assert name in samples, f"the {endpoint} exports no {name}:\n{text}"
@@ -149,7 +172,9 @@ async def test_every_metrics_endpoint_passes_promtool_with_the_documented_names(
     for alias, name in WORKER_VLLM_ALIASES.items():
         assert value(worker_text, alias, model_name=REAL_MODEL) == value(worker_text, name, model=REAL_MODEL), alias
     for alias, name in GATEWAY_VLLM_ALIASES.items():
-        assert value(gateway_text, alias, model_name=REAL_MODEL) == value(gateway_text, name, model=REAL_MODEL) > 0, alias
+        assert value(gateway_text, alias, model_name=REAL_MODEL) == value(gateway_text, name, model=REAL_MODEL) > 0, (
+            alias
+        )
     assert 0 <= value(worker_text, "vllm:kv_cache_usage_perc", model_name=REAL_MODEL) <= 1
     assert value(worker_text, "vllm:generation_tokens_total", model_name=REAL_MODEL) > 0
 
@@ -172,7 +197,9 @@ async def test_every_metrics_endpoint_passes_promtool_with_the_documented_names(
     assert value(worker_text, "lmq_requests_finished_total", model=REAL_MODEL) == 5
     assert value(worker_text, "lmq_step_seconds_count", model=REAL_MODEL) >= 3 * MAX_TOKENS
 
-    problems = {endpoint: promtool_problems(text) for endpoint, text in (("gateway", gateway_text), ("worker", worker_text))}
+    problems = {
+        endpoint: promtool_problems(text) for endpoint, text in (("gateway", gateway_text), ("worker", worker_text))
+    }
     if None in problems.values():
         pytest.skip(f"promtool is not installed (Debian/Ubuntu: `{PROMTOOL_INSTALL}`); names and labels were checked")
     assert problems == {"gateway": "", "worker": ""}, problems
@@ -190,7 +217,10 @@ async def test_a_request_is_counted_once_by_how_it_ended(redis_url, redis_client
     """An error, in a stream or not, counts once as the request's outcome and once as an error; a client that
     leaves mid-stream is `client_closed` and no error."""
     body = {"model": MODEL, "max_tokens": MAX_TOKENS}
-    async with running_gateway(redis_url, pickup_timeout=60.0, keepalive_seconds=3600.0) as url, worker_running(redis_client, ending_script):
+    async with (
+        running_gateway(redis_url, pickup_timeout=60.0, keepalive_seconds=3600.0) as url,
+        worker_running(redis_client, ending_script),
+    ):
         async with aiohttp.ClientSession() as http:
             failing = body | {"messages": [{"role": "user", "content": "fail"}]}
             async with http.post(url + "/v1/chat/completions", json=failing) as response:

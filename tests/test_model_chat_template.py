@@ -30,7 +30,9 @@ def test_bos_eos_and_tools_reach_the_template() -> None:
 
 
 def test_raise_exception_becomes_chat_template_error() -> None:
-    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}")
+    template = ChatTemplate(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}"
+    )
     with pytest.raises(ChatTemplateError, match="first message must be from the user"):
         template.render(MESSAGES)
 
@@ -76,13 +78,22 @@ CONVERSATIONS = {
             {
                 "role": "assistant",
                 "content": "",
-                "tool_calls": [{"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+                "tool_calls": [
+                    {
+                        "id": "call12345",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    }
+                ],
             },
             {"role": "tool", "tool_call_id": "call12345", "content": '{"temperature": 21}'},
         ],
         [WEATHER_TOOL],
     ),
-    "tools-offered": ([{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}], [WEATHER_TOOL]),
+    "tools-offered": (
+        [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}],
+        [WEATHER_TOOL],
+    ),
     "assistant-first": ([{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Hi"}], None),
 }
 
@@ -91,7 +102,12 @@ def _transformers_render(source: str, messages: list, tools: list | None) -> str
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, _ = render_jinja_template(
-        conversations=[messages], tools=tools, chat_template=source, add_generation_prompt=True, bos_token="<s>", eos_token="</s>"
+        conversations=[messages],
+        tools=tools,
+        chat_template=source,
+        add_generation_prompt=True,
+        bos_token="<s>",
+        eos_token="</s>",
     )
     return rendered[0]
 
@@ -127,7 +143,9 @@ def test_generation_blocks_loop_controls_and_namespace() -> None:
         "{% if m.role == 'system' %}{% continue %}{% endif %}{% generation %}{{ m.content }}{% endgeneration %}"
         "{% set ns.n = ns.n + 1 %}{% endfor %}|{{ ns.n }}|{{ {'b': [1, 2]} | tojson(indent=2, separators=(',', ': ')) }}"
     )
-    text = ChatTemplate(source).render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "user", "content": "X"}])
+    text = ChatTemplate(source).render(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "user", "content": "X"}]
+    )
     assert text == 'U|1|{\n  "b": [\n    1,\n    2\n  ]\n}'
 
 

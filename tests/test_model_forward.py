@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
-
 from paged_steps import Chunk, allocate_kv, make_batch
+from safetensors.torch import load_file
 from tiny_model import make_tiny_model
+
 from worker.model.config import ModelConfig
 from worker.model.loader import load_model
 from worker.model.rope import inverse_frequencies

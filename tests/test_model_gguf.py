@@ -12,13 +12,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize, quantize
-from safetensors.torch import load_file
-
 from paged_steps import Chunk, allocate_kv, make_batch
+from safetensors.torch import load_file
 from tiny_model import make_tiny_model
+
 from worker.model.gguf_int4 import gguf_int4_blocks
 from worker.model.gguf_loader import GLOBAL_NAMES, LAYER_NAMES
 from worker.model.loader import LoadedModel, load_model
+
 
 def gguf_name(hf: str) -> str:
     """Inverse of the loader's name mapping."""
@@ -32,7 +33,9 @@ def gguf_name(hf: str) -> str:
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to q_proj/k_proj rows of llama models."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def _tokenizer_metadata(writer: gguf.GGUFWriter, directory: pathlib.Path) -> None:
@@ -94,7 +97,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 def test_gguf_round_trip_gives_same_model(tiny_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     from_hf = load_model(str(tiny_dir), dtype="float32", quant="none", device="cpu")
-    from_gguf = load_model(str(write_gguf(tiny_dir, tmp_path / "tiny-model.F32.gguf")), dtype="float32", quant="none", device="cpu")
+    from_gguf = load_model(
+        str(write_gguf(tiny_dir, tmp_path / "tiny-model.F32.gguf")), dtype="float32", quant="none", device="cpu"
+    )
     assert from_gguf.name == "tiny-model"
     assert from_gguf.config.rms_norm_eps == pytest.approx(from_hf.config.rms_norm_eps)  # GGUF stores float32
     assert dataclasses.replace(from_gguf.config, rms_norm_eps=from_hf.config.rms_norm_eps) == from_hf.config
@@ -110,7 +115,9 @@ def test_gguf_round_trip_gives_same_model(tiny_dir: pathlib.Path, tmp_path: path
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1])
-def test_quantized_gguf_int4_mode_matches_dequantized_weights(tiny_dir: pathlib.Path, tmp_path: pathlib.Path, qtype: QType) -> None:
+def test_quantized_gguf_int4_mode_matches_dequantized_weights(
+    tiny_dir: pathlib.Path, tmp_path: pathlib.Path, qtype: QType
+) -> None:
     path = write_gguf(tiny_dir, tmp_path / f"tiny.{qtype.name}.gguf", qtype)
     dequantized = load_model(str(path), dtype="float32", quant="none", device="cpu")
     int4 = load_model(str(path), dtype="float32", quant="int4", device="cpu")
@@ -119,10 +126,14 @@ def test_quantized_gguf_int4_mode_matches_dequantized_weights(tiny_dir: pathlib.
     torch.testing.assert_close(step_logits(int4, ids), step_logits(dequantized, ids), atol=2e-3, rtol=2e-3)
 
 
-def _random_blocks(rng: np.random.Generator, block_bytes: int, scale_offsets: tuple[int, ...], count: int) -> np.ndarray:
+def _random_blocks(
+    rng: np.random.Generator, block_bytes: int, scale_offsets: tuple[int, ...], count: int
+) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(count, block_bytes), dtype=np.uint8)
     for offset in scale_offsets:  # finite, modest fp16 scales
-        blocks[:, offset : offset + 2] = rng.uniform(-0.1, 0.1, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+        blocks[:, offset : offset + 2] = (
+            rng.uniform(-0.1, 0.1, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+        )
     return blocks
 
 
@@ -130,7 +141,9 @@ def _random_blocks(rng: np.random.Generator, block_bytes: int, scale_offsets: tu
     "qtype, block_bytes, block_values, scale_offsets",
     [(QType.Q4_0, 18, 32, (0,)), (QType.Q4_1, 20, 32, (0, 2)), (QType.Q4_K, 144, 256, (0, 2))],
 )
-def test_gguf_4bit_blocks_unpack_like_gguf_dequantize(qtype: QType, block_bytes: int, block_values: int, scale_offsets: tuple[int, ...]) -> None:
+def test_gguf_4bit_blocks_unpack_like_gguf_dequantize(
+    qtype: QType, block_bytes: int, block_values: int, scale_offsets: tuple[int, ...]
+) -> None:
     rows, columns = 16, 512
     raw = _random_blocks(np.random.default_rng(0), block_bytes, scale_offsets, rows * columns // block_values)
     raw = raw.reshape(rows, -1)

@@ -21,7 +21,9 @@ def test_int4_quantization_error_is_at_most_half_a_step(weight: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_int4_linear_multiplies_by_its_dequantized_weight(weight: torch.Tensor, dtype: torch.dtype, tolerance: float) -> None:
+def test_int4_linear_multiplies_by_its_dequantized_weight(
+    weight: torch.Tensor, dtype: torch.dtype, tolerance: float
+) -> None:
     blocks = quantize_int4(weight)
     bias = torch.randn(48)
     x = torch.randn(2, 5, 96)

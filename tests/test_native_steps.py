@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from bench.quality import chat_logits, compare
 from paged_steps import Chunk, allocate_kv, make_batch
 from reference_data import load_reference
 from test_reference import LIMITS
+
+from bench.quality import chat_logits, compare
 from worker.batch import PagedKV
 from worker.model.loader import LoadedModel, load_model
 from worker.model.native_llama import AMX_FROM_ROWS, amx_usable
@@ -24,13 +24,17 @@ from worker.native import build
 
 PAGE = 16
 
-pytestmark = pytest.mark.skipif(build.missing_requirements() is not None, reason=f"native decode step: {build.missing_requirements()}")
+pytestmark = pytest.mark.skipif(
+    build.missing_requirements() is not None, reason=f"native decode step: {build.missing_requirements()}"
+)
 
 
 @pytest.fixture(scope="module")
 def int4_model() -> LoadedModel:
     loaded = load_model(dtype="bfloat16", quant="int4", device="cpu")
-    assert loaded.model.native_steps is not None, "the loader attaches the native step where the CPU has VNNI and g++ exists"
+    assert loaded.model.native_steps is not None, (
+        "the loader attaches the native step where the CPU has VNNI and g++ exists"
+    )
     return loaded
 
 
@@ -77,7 +81,9 @@ def test_native_stepss_stay_close_to_float32(int4_model: LoadedModel) -> None:
     assert quality.clear_top1 >= limits.min_clear_top1, quality
 
 
-def _decode_logits(loaded: LoadedModel, kv: PagedKV, prompts: list[list[int]], rows: list[int], threads: int | None = None) -> torch.Tensor:
+def _decode_logits(
+    loaded: LoadedModel, kv: PagedKV, prompts: list[list[int]], rows: list[int], threads: int | None = None
+) -> torch.Tensor:
     """One decode step of `rows` (indices into prompts, each prefilled in its own pages) on a copy of kv."""
     native = loaded.model.native_steps
     kv = PagedKV(k=kv.k.clone(), v=kv.v.clone())
@@ -128,7 +134,9 @@ def test_steps_on_tiles_stay_close_to_vnni_and_invariant_among_themselves(int4_m
     finally:
         native.struct.amx_from_rows = AMX_FROM_ROWS
     assert not torch.equal(tiles, vnni), "the tiles ran"
-    kl = torch.nn.functional.kl_div(tiles.log_softmax(-1), vnni.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    kl = torch.nn.functional.kl_div(tiles.log_softmax(-1), vnni.log_softmax(-1), log_target=True, reduction="none").sum(
+        -1
+    )
     assert kl.max() < 0.02, kl
     for others in ([2, 0, 1, 3, 4, 4], [4, 3, 2, 1, 0] * 3 + [2]):  # 6 and 16 rows: a row's tile product is its own
         batched = _decode_logits(int4_model, kv, prompts, others)
@@ -136,7 +144,9 @@ def test_steps_on_tiles_stay_close_to_vnni_and_invariant_among_themselves(int4_m
 
 
 @pytest.mark.parametrize("copies", [1, 2])  # 5 rows on VNNI; 10 on AMX tiles where the CPU has them
-def test_native_step_writes_the_kv_and_logits_the_torch_path_would(int4_model: LoadedModel, prefilled, copies: int) -> None:
+def test_native_step_writes_the_kv_and_logits_the_torch_path_would(
+    int4_model: LoadedModel, prefilled, copies: int
+) -> None:
     kv, prompts = prefilled
     model = int4_model.model
     chunks = [Chunk([11], len(p), list(range(i * 4, i * 4 + 4))) for i, p in enumerate(prompts)]
@@ -158,7 +168,9 @@ def test_native_step_writes_the_kv_and_logits_the_torch_path_would(int4_model: L
         assert not torch.equal(flat_native[:, written], torch.zeros_like(flat_native[:, written]))
         difference = (flat_native[:, written].float() - flat_torch[:, written].float()).abs().max()
         assert difference < 1.0, difference  # both round the same layer inputs differently, the model's K/V are O(10)
-    kl = torch.nn.functional.kl_div(native_logits.log_softmax(-1), torch_logits.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    kl = torch.nn.functional.kl_div(
+        native_logits.log_softmax(-1), torch_logits.log_softmax(-1), log_target=True, reduction="none"
+    ).sum(-1)
     assert kl.max() < 0.05, kl
     assert (native_logits.argmax(-1) == torch_logits.argmax(-1)).float().mean() >= 0.8
 
@@ -179,7 +191,10 @@ def test_a_prompt_chunk_next_to_decodes_changes_neither(invariant_model: LoadedM
     decodes = _decode_logits(invariant_model, kv, prompts, [0, 1])
     prompt = [1, 9690, 198, 2683, 359]
     alone = invariant_model.model(make_batch([Chunk(prompt, 0, [19])], PAGE), PagedKV(k=kv.k.clone(), v=kv.v.clone()))
-    mixed_batch = make_batch([Chunk([7], len(prompts[0]), [0, 1, 2, 3]), Chunk(prompt, 0, [19]), Chunk([7], len(prompts[1]), [4, 5, 6, 7])], PAGE)
+    mixed_batch = make_batch(
+        [Chunk([7], len(prompts[0]), [0, 1, 2, 3]), Chunk(prompt, 0, [19]), Chunk([7], len(prompts[1]), [4, 5, 6, 7])],
+        PAGE,
+    )
     mixed = invariant_model.model(mixed_batch, PagedKV(k=kv.k.clone(), v=kv.v.clone()))
     assert torch.equal(mixed[0], decodes[0]) and torch.equal(mixed[2], decodes[1]) and torch.equal(mixed[1], alone[0])
 

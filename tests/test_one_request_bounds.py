@@ -15,7 +15,14 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 11_600  # 522 KB, as 
 
 
 async def _stream(http: aiohttp.ClientSession, api_url: str, index: int, first_chunk: asyncio.Event) -> list[dict]:
-    body = {"model": REAL_MODEL, "messages": [{"role": "user", "content": f"story {index}"}], "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "model": REAL_MODEL,
+        "messages": [{"role": "user", "content": f"story {index}"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     chunks = []
     async with http.post(api_url + "/v1/chat/completions", json=body) as response:
         assert response.status == 200
@@ -37,7 +44,9 @@ async def test_a_huge_tokenize_beside_three_streams_fails_alone_and_the_streams_
         started = [asyncio.Event() for _ in range(STREAMS)]
         streams = [asyncio.create_task(_stream(http, api_url, index, started[index])) for index in range(STREAMS)]
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
-        async with http.post(api_url + "/tokenize", json={"model": REAL_MODEL, "prompt": PROMPT, "return_token_strs": True}) as response:
+        async with http.post(
+            api_url + "/tokenize", json={"model": REAL_MODEL, "prompt": PROMPT, "return_token_strs": True}
+        ) as response:
             status, answer = response.status, await response.json()
         results = await asyncio.gather(*streams)
     assert status == 413, answer
@@ -45,7 +54,14 @@ async def test_a_huge_tokenize_beside_three_streams_fails_alone_and_the_streams_
     for chunks in results:
         assert "error" not in json.dumps(chunks)
         assert chunks[-1] == {"done": True}
-        finishes = [choice["finish_reason"] for chunk in chunks[:-1] for choice in chunk.get("choices", []) if choice.get("finish_reason")]
+        finishes = [
+            choice["finish_reason"]
+            for chunk in chunks[:-1]
+            for choice in chunk.get("choices", [])
+            if choice.get("finish_reason")
+        ]
         assert finishes == ["length"]
-        tokens = sum(1 for chunk in chunks[:-1] for choice in chunk.get("choices", []) if choice.get("delta", {}).get("content"))
+        tokens = sum(
+            1 for chunk in chunks[:-1] for choice in chunk.get("choices", []) if choice.get("delta", {}).get("content")
+        )
         assert tokens > 0

@@ -25,7 +25,9 @@ from worker.cuda.paged_decode import decode_reference, store_kv_reference  # noq
 from worker.cuda.triton_decode import decode, store_kv  # noqa: E402
 
 
-def make_case(*, kv_heads: int, group: int, head_dim: int, page_size: int, contexts: list[int], dtype=torch.float32, seed=0):
+def make_case(
+    *, kv_heads: int, group: int, head_dim: int, page_size: int, contexts: list[int], dtype=torch.float32, seed=0
+):
     """A pool of random pages and page tables that share their first pages (a prefix-cache hit) and leave gaps."""
     generator = torch.Generator().manual_seed(seed)
     widest = max(-(-c // page_size) for c in contexts)
@@ -68,7 +70,9 @@ def test_kernel_matches_the_reference(name: str, num_splits: int) -> None:
 
 
 def test_a_soft_cap_bounds_the_scores_first() -> None:
-    q, k_pool, v_pool, table, context_lens = make_case(kv_heads=2, group=2, head_dim=16, page_size=4, contexts=[13, 30], seed=3)
+    q, k_pool, v_pool, table, context_lens = make_case(
+        kv_heads=2, group=2, head_dim=16, page_size=4, contexts=[13, 30], seed=3
+    )
     q = q * 8  # scores far past the cap, where capping changes the weights most
     for num_splits in (1, 2):
         got = decode(q, k_pool, v_pool, table, context_lens, softcap=5.0, num_splits=num_splits)

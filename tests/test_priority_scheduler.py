@@ -12,13 +12,15 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from test_scheduler import fed, make_scheduler, run_step
+
 from worker.scheduler import QUIET_STEPS, Scheduler, Sequence, StepPlan
 
 
 def seq(name: str, length: int, first_token: int = 0, priority: str = "interactive") -> Sequence:
-    return Sequence(id=name, token_ids=list(range(first_token, first_token + length)), num_prompt_tokens=length, priority=priority)
+    return Sequence(
+        id=name, token_ids=list(range(first_token, first_token + length)), num_prompt_tokens=length, priority=priority
+    )
 
 
 def batch(name: str, length: int, first_token: int = 0) -> Sequence:
@@ -129,8 +131,11 @@ def test_batch_steps_stay_small_for_a_while_after_interactive_work() -> None:
         assert sum(fed(run_step(scheduler)).values()) == 2
     assert fed(run_step(scheduler)) == {"job0": 1, "job1": 1, "job2": 3, "job3": 3}  # then the whole step again
 
+
 operation = st.one_of(
-    st.tuples(st.just("add"), st.sampled_from(["interactive", "batch"]), st.integers(1, 14), st.integers(1, 10), st.booleans()),
+    st.tuples(
+        st.just("add"), st.sampled_from(["interactive", "batch"]), st.integers(1, 14), st.integers(1, 10), st.booleans()
+    ),
     st.tuples(st.just("step"), st.integers(1, 4)),
     st.tuples(st.just("cancel"), st.integers(0, 50)),
 )
@@ -177,7 +182,11 @@ class Driver:
 
 
 def check_rules(
-    scheduler: Scheduler, plan: StepPlan, pending: dict[Sequence, int], waiting_before: set[Sequence], reads_prefix_before: set[Sequence]
+    scheduler: Scheduler,
+    plan: StepPlan,
+    pending: dict[Sequence, int],
+    waiting_before: set[Sequence],
+    reads_prefix_before: set[Sequence],
 ) -> None:
     items = plan.scheduled
     reads_interactive_prompt = any(
@@ -192,7 +201,8 @@ def check_rules(
     # A prompt whose first page another is still reading waits on purpose (the prefix cache rule).
     prompt_readers = [item.seq for item in items if item.seq in waiting_before or pending.get(item.seq, 0) > 1]
     waits_for_prefix = head is not None and (
-        head in reads_prefix_before or any(same_first_page(head, reader, scheduler.page_size) for reader in prompt_readers)
+        head in reads_prefix_before
+        or any(same_first_page(head, reader, scheduler.page_size) for reader in prompt_readers)
     )
     waits_for_room = head is not None and not head.batch and not waits_for_prefix
     if waits_for_room and any(s.batch for s in scheduler.running):
@@ -230,8 +240,12 @@ def check_accounts(scheduler: Scheduler) -> None:
     step_tokens=st.integers(1, 16),
     batch_tokens=st.integers(1, 16),
 )
-def test_random_mixes_keep_the_rules_and_every_page(operations: list, pages: int, max_seqs: int, step_tokens: int, batch_tokens: int) -> None:
-    driver = Driver(make_scheduler(pages, max_seqs=max_seqs, step_tokens=step_tokens, batch_tokens_beside_interactive=batch_tokens))
+def test_random_mixes_keep_the_rules_and_every_page(
+    operations: list, pages: int, max_seqs: int, step_tokens: int, batch_tokens: int
+) -> None:
+    driver = Driver(
+        make_scheduler(pages, max_seqs=max_seqs, step_tokens=step_tokens, batch_tokens_beside_interactive=batch_tokens)
+    )
     for op in operations:
         if op[0] == "add":
             driver.add(*op[1:])

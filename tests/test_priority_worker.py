@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import protocol
 from batch_support import slow
+from worker_helpers import MODEL, chat_request, reply_events, running_worker, streamed_tokens, wait_for, worker_config
+
+import protocol
 from protocol import REQUEST_GROUP
 from worker.claims import RequestStream
 from worker.service import READ_BLOCK_MS
-from worker_helpers import MODEL, chat_request, reply_events, running_worker, streamed_tokens, wait_for, worker_config
 
 BATCH_STREAM = protocol.request_stream(MODEL, "batch")
 INTERACTIVE_STREAM = protocol.request_stream(MODEL)
@@ -60,7 +61,10 @@ async def test_an_interactive_request_overtakes_a_worker_full_of_batch_work(tiny
         assert worker.engine.stats.preemptions >= 1
         for request_id in batch_ids:
             done = await wait_for(lambda: end_of(redis_client, request_id), what=f"batch request {request_id}")
-            assert done["type"] == "done" and len(streamed_tokens(await reply_events(redis_client, f"out:{request_id}"))) == 150
+            assert (
+                done["type"] == "done"
+                and len(streamed_tokens(await reply_events(redis_client, f"out:{request_id}"))) == 150
+            )
         await wait_for(lambda: all_acknowledged(redis_client), what="both streams empty")
 
 
@@ -77,7 +81,9 @@ async def test_a_dead_workers_batch_entries_are_taken_over(tiny, redis_url, redi
         await wait_for(lambda: all_acknowledged(redis_client), what="both streams empty")
 
 
-async def test_entries_with_the_same_id_in_both_streams_are_each_answered_and_acknowledged_in_their_own(tiny, redis_url, redis_client):
+async def test_entries_with_the_same_id_in_both_streams_are_each_answered_and_acknowledged_in_their_own(
+    tiny, redis_url, redis_client
+):
     for stream in (INTERACTIVE_STREAM, BATCH_STREAM):
         await RequestStream(redis_client, stream, "setup").ensure_group()
     await put(redis_client, chat_request("twin-i", max_tokens=3), entry_id="5-0")

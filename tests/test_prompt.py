@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from worker.model.loader import LoadedModel
@@ -30,7 +29,9 @@ def conversation(turns: int) -> list[dict[str, str]]:
 
 
 def test_chat_messages_are_rendered_with_special_tokens(model: LoadedModel) -> None:
-    ids = build_prompt_ids(model, messages=[{"role": "user", "content": "Hello, world!"}], max_tokens=10, truncate=False)
+    ids = build_prompt_ids(
+        model, messages=[{"role": "user", "content": "Hello, world!"}], max_tokens=10, truncate=False
+    )
     assert decode(model, ids) == "<|im_start|>user\nHello, world!<|im_end|>\n<|im_start|>assistant\n"
     assert ids[0] == model.tokenizer.token_to_id("<|im_start|>")
 

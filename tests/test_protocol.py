@@ -138,7 +138,9 @@ def test_cancel_and_heartbeat_round_trip():
 
 def test_a_cancel_token_travels_as_its_digest_and_a_request_names_the_digest():
     token = "t" * 32
-    assert protocol.decode_cancel(protocol.cancel_message("r-9", token)) == protocol.Cancel("r-9", protocol.cancel_digest(token))
+    assert protocol.decode_cancel(protocol.cancel_message("r-9", token)) == protocol.Cancel(
+        "r-9", protocol.cancel_digest(token)
+    )
     with pytest.raises(ProtocolError, match="token: must be at least 16"):
         protocol.decode_cancel(protocol.cancel_message("r-9", "short"))
     with pytest.raises(ProtocolError, match="token"):
@@ -165,7 +167,17 @@ def test_an_oversize_message_is_refused_but_its_reply_address_is_read():
 
 
 @pytest.mark.parametrize(
-    "key", ["lmq:req:smollm2", "lmq:{T0}:req:smollm2", "lmq:progress:r1", "lmq:worker:w1", "lmq:dead", "lmq:batch:batch_1", "lmq:test:out", "lmq:reply:"]
+    "key",
+    [
+        "lmq:req:smollm2",
+        "lmq:{T0}:req:smollm2",
+        "lmq:progress:r1",
+        "lmq:worker:w1",
+        "lmq:dead",
+        "lmq:batch:batch_1",
+        "lmq:test:out",
+        "lmq:reply:",
+    ],
 )
 def test_a_reply_key_in_lmqs_own_namespace_is_refused(key):
     for kind in ("pubsub", "spubsub", "stream"):
@@ -175,7 +187,16 @@ def test_a_reply_key_in_lmqs_own_namespace_is_refused(key):
 
 
 @pytest.mark.parametrize(
-    "key", ["out:r1", "myapp:reply:1", "lmq:reply:g1", "lmq:reply:myapp:r1", "lmq:{T0}:reply:g1", "lmq:batch:batch_ab12:reply:3.0", "lmq:{T1}:batch:msgbatch_9:reply:0.2"]
+    "key",
+    [
+        "out:r1",
+        "myapp:reply:1",
+        "lmq:reply:g1",
+        "lmq:reply:myapp:r1",
+        "lmq:{T0}:reply:g1",
+        "lmq:batch:batch_ab12:reply:3.0",
+        "lmq:{T1}:batch:msgbatch_9:reply:0.2",
+    ],
 )
 def test_reply_keys_outside_lmq_or_in_its_reply_forms_are_accepted(key):
     assert protocol.decode_request(msgpack.packb(request(reply={"kind": "stream", "key": key}))).reply.key == key
@@ -196,13 +217,45 @@ def test_an_oversize_message_with_a_huge_id_or_reply_gives_no_address():
     assert error.code == "too_large" and error.request_id is None
 
 
-GOOD_BEAT = {"v": 1, "worker_id": "w1", "model": "m", "capacity": 4, "running": 0, "waiting": 0, "kv_pages_used": 1, "kv_pages_total": 8, "time": 1.5}
+GOOD_BEAT = {
+    "v": 1,
+    "worker_id": "w1",
+    "model": "m",
+    "capacity": 4,
+    "running": 0,
+    "waiting": 0,
+    "kv_pages_used": 1,
+    "kv_pages_total": 8,
+    "time": 1.5,
+}
 
 
 @pytest.mark.parametrize(
     "change",
-    [{"model": ["m"]}, {"model": None}, {"worker_id": 7}, {"capacity": "4"}, {"running": -1}, {"time": "now"}, {"time": True}, {"waiting": 1.5}, {"extra": 1}, {"v": 2}],
-    ids=["model-list", "model-nil", "id-int", "capacity-str", "running-negative", "time-str", "time-bool", "waiting-float", "unknown-field", "version"],
+    [
+        {"model": ["m"]},
+        {"model": None},
+        {"worker_id": 7},
+        {"capacity": "4"},
+        {"running": -1},
+        {"time": "now"},
+        {"time": True},
+        {"waiting": 1.5},
+        {"extra": 1},
+        {"v": 2},
+    ],
+    ids=[
+        "model-list",
+        "model-nil",
+        "id-int",
+        "capacity-str",
+        "running-negative",
+        "time-str",
+        "time-bool",
+        "waiting-float",
+        "unknown-field",
+        "version",
+    ],
 )
 def test_a_heartbeat_with_a_wrong_field_is_refused(change):
     with pytest.raises(ProtocolError):

@@ -9,7 +9,28 @@ from hypothesis import strategies as st
 import protocol
 from protocol import ProtocolError, Request
 
-FIELDS = ["v", "id", "model", "reply", "sampling", "deadline", "messages", "prompt", "prompt_ids", "truncate", "kind", "key", "role", "content", "max_tokens", "temperature", "top_p", "stop", "logit_bias", "seed"]
+FIELDS = [
+    "v",
+    "id",
+    "model",
+    "reply",
+    "sampling",
+    "deadline",
+    "messages",
+    "prompt",
+    "prompt_ids",
+    "truncate",
+    "kind",
+    "key",
+    "role",
+    "content",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "logit_bias",
+    "seed",
+]
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),
@@ -17,7 +38,9 @@ scalars = st.one_of(
 )  # fmt: skip
 values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5), inner, max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5), inner, max_size=6)
+    ),
     max_leaves=20,
 )
 maps = st.dictionaries(st.sampled_from(FIELDS), values, max_size=12)

@@ -11,9 +11,10 @@ import time
 
 import anthropic
 import openai
-import protocol
 import pytest
 from gateway_support import MODEL, announce, running_gateway, words_script, worker_running
+
+import protocol
 from protocol.keys import rate_limit_key
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -62,8 +63,13 @@ async def test_a_flooding_key_gets_429_and_another_key_is_still_served(redis_url
             await more  # the share is counted across gateways
         assert refused.value.code == "rate_limit_exceeded" and int(refused.value.response.headers["retry-after"]) >= 1
         with pytest.raises(anthropic.RateLimitError) as refused_anthropic:
-            await anthropic.AsyncAnthropic(base_url=one, api_key="key-a", max_retries=0).messages.create(model=MODEL, max_tokens=3, messages=MESSAGES)
-        assert refused_anthropic.value.status_code == 429 and refused_anthropic.value.body["error"]["type"] == "rate_limit_error"
+            await anthropic.AsyncAnthropic(base_url=one, api_key="key-a", max_retries=0).messages.create(
+                model=MODEL, max_tokens=3, messages=MESSAGES
+            )
+        assert (
+            refused_anthropic.value.status_code == 429
+            and refused_anthropic.value.body["error"]["type"] == "rate_limit_error"
+        )
         await waiting_in_share(redis_client, "key-a", 4)  # refused entries took no place
         await waiting_in_share(redis_client, "key-b", 2)
         started = time.monotonic()

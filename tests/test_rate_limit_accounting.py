@@ -9,8 +9,9 @@ import hashlib
 
 import aiohttp
 import openai
-import protocol
 from gateway_support import MODEL, running_gateway, words_script, worker_running
+
+import protocol
 from protocol.keys import rate_limit_key
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -30,14 +31,20 @@ async def charged(redis_client, key: str) -> int:
 
 
 async def test_every_choice_is_charged(redis_url, redis_client):
-    async with worker_running(redis_client, words_script(["a", "b", "c"])), running_gateway(redis_url, api_keys="k1", rate_limit_tokens=1000) as url:
+    async with (
+        worker_running(redis_client, words_script(["a", "b", "c"])),
+        running_gateway(redis_url, api_keys="k1", rate_limit_tokens=1000) as url,
+    ):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
         await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, n=4)
         assert await charged(redis_client, "k1") == 4 * (7 + 3)  # each choice's prompt and its 3 tokens
 
 
 async def test_every_prompt_of_a_legacy_completion_is_charged(redis_url, redis_client):
-    async with worker_running(redis_client, words_script(["a", "b", "c"])), running_gateway(redis_url, api_keys="k1", rate_limit_tokens=1000) as url:
+    async with (
+        worker_running(redis_client, words_script(["a", "b", "c"])),
+        running_gateway(redis_url, api_keys="k1", rate_limit_tokens=1000) as url,
+    ):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
         await client.completions.create(model=MODEL, prompt=["one", "two", "three"], max_tokens=3, n=2)
         assert await charged(redis_client, "k1") == 6 * (7 + 3)
@@ -48,10 +55,15 @@ def first_token_then_silence(request: protocol.Request):
 
 
 async def test_a_client_that_leaves_is_charged_its_prompt_and_tokens_so_far(redis_url, redis_client):
-    async with worker_running(redis_client, first_token_then_silence), running_gateway(redis_url, api_keys="k1", rate_limit_tokens=10_000) as url:
+    async with (
+        worker_running(redis_client, first_token_then_silence),
+        running_gateway(redis_url, api_keys="k1", rate_limit_tokens=10_000) as url,
+    ):
         async with aiohttp.ClientSession() as session:
             body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50, "stream": True}
-            async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer k1"}) as response:
+            async with session.post(
+                url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer k1"}
+            ) as response:
                 async for line in response.content:
                     if b'"content"' in line and b'"a"' in line:
                         break  # the first token came: hang up

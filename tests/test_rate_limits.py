@@ -22,7 +22,9 @@ def anthropic_client(url: str, key: str) -> anthropic.AsyncAnthropic:
 
 
 async def ask_openai(url: str, key: str):
-    return await openai_client(url, key).chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    return await openai_client(url, key).chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3
+    )
 
 
 @pytest.fixture
@@ -68,7 +70,9 @@ async def test_anthropic_gets_its_own_headers_and_error_type(redis_url, worker):
 async def test_tokens_a_minute_count_what_answers_used(redis_url, worker):
     async with running_gateway(redis_url, api_keys="k1", rate_limit_tokens=15) as url:
         first = await ask_openai(url, "k1")
-        assert first.headers["x-ratelimit-limit-tokens"] == "15" and first.headers["x-ratelimit-remaining-tokens"] == "15"
+        assert (
+            first.headers["x-ratelimit-limit-tokens"] == "15" and first.headers["x-ratelimit-remaining-tokens"] == "15"
+        )
         second = await ask_openai(url, "k1")
         assert second.headers["x-ratelimit-remaining-tokens"] == "5"  # the first used 7 + 3
         with pytest.raises(openai.RateLimitError) as refused:

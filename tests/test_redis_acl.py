@@ -6,9 +6,9 @@ import shlex
 import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis_acl import create_lmq_user, user_url
 
 from protocol.redis_client import connect
-from redis_acl import create_lmq_user, user_url
 
 STREAM, GROUP = "lmq:req:m", "workers"
 OUTSIDE = "myapp:reply:1"
@@ -125,15 +125,19 @@ async def test_running_the_line_again_resets_the_user(any_redis_url):
         assert client.ping()
     with pytest.raises(AuthenticationError), redis.Redis.from_url(first) as client:
         client.ping()
-    with pytest.raises(AuthenticationError), redis.Redis.from_url(user_url(any_redis_url, "lmq", "A_LONG_PASSWORD")) as client:
+    with (
+        pytest.raises(AuthenticationError),
+        redis.Redis.from_url(user_url(any_redis_url, "lmq", "A_LONG_PASSWORD")) as client,
+    ):
         client.ping()
-
 
 
 def _producer_line() -> str:
     from redis_acl import DEPLOY_DOC
 
-    [line] = [line.strip() for line in DEPLOY_DOC.read_text().splitlines() if line.strip().startswith("ACL SETUSER myapp ")]
+    [line] = [
+        line.strip() for line in DEPLOY_DOC.read_text().splitlines() if line.strip().startswith("ACL SETUSER myapp ")
+    ]
     return line.replace("ITS_PASSWORD", "producer-password")
 
 

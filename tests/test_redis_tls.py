@@ -16,9 +16,11 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from cluster_support import ClusterStack
 from fault_support import CLIENT_TIMEOUT_S, MAX_TOKENS, MODEL, StackSpec, chat_messages, expected_answers
+from sentinel_support import SentinelSet, SentinelStack
+from tls_support import make_certificates, openssl_missing, other_ca, tls_server
+
 from gateway.config import GatewayConfig
 from lmq.checks import check_gateway
 from lmq.redis_cluster import EmbeddedCluster
@@ -29,8 +31,6 @@ from protocol.cluster_url import ClusterAddress, is_cluster_url, parse_cluster_u
 from protocol.redis_client import connect, connect_sync, pubsub
 from protocol.sentinel_url import SentinelAddress, is_sentinel_url, parse_sentinel_url
 from protocol.tls_url import TlsOptions
-from sentinel_support import SentinelSet, SentinelStack
-from tls_support import make_certificates, openssl_missing, other_ca, tls_server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,9 +43,18 @@ CLIENT_CERT = TlsOptions("/certs/ca.pem", "/certs/client.pem", "/certs/client.ke
 @pytest.mark.parametrize(
     "url, address",
     [
-        ("rediss+sentinel://h1,h2:26380/m/1", SentinelAddress((("h1", 26379), ("h2", 26380)), "m", 1, tls=TlsOptions())),
-        (f"REDISS+SENTINEL://:pw@h/m?{FILES}&sentinel_password=s", SentinelAddress((("h", 26379),), "m", password="pw", sentinel_password="s", tls=CLIENT_CERT)),
-        ("rediss+sentinel://h/m?ssl_ca_certs=/ca.pem&ssl_check_hostname=no", SentinelAddress((("h", 26379),), "m", tls=TlsOptions("/ca.pem", check_hostname=False))),
+        (
+            "rediss+sentinel://h1,h2:26380/m/1",
+            SentinelAddress((("h1", 26379), ("h2", 26380)), "m", 1, tls=TlsOptions()),
+        ),
+        (
+            f"REDISS+SENTINEL://:pw@h/m?{FILES}&sentinel_password=s",
+            SentinelAddress((("h", 26379),), "m", password="pw", sentinel_password="s", tls=CLIENT_CERT),
+        ),
+        (
+            "rediss+sentinel://h/m?ssl_ca_certs=/ca.pem&ssl_check_hostname=no",
+            SentinelAddress((("h", 26379),), "m", tls=TlsOptions("/ca.pem", check_hostname=False)),
+        ),
         ("redis+sentinel://h/m", SentinelAddress((("h", 26379),), "m", tls=None)),
     ],
 )
@@ -58,8 +67,14 @@ def test_a_tls_sentinel_url_carries_its_ca_and_client_certificate(url, address):
     "url, address",
     [
         ("rediss+cluster://h1:7000,h2:7001", ClusterAddress((("h1", 7000), ("h2", 7001)), tls=TlsOptions())),
-        (f"rediss+cluster://:pw@h:7000/?shards=6&{FILES}", ClusterAddress((("h", 7000),), 6, password="pw", tls=CLIENT_CERT)),
-        ("rediss+cluster://h:7000?ssl_check_hostname=false", ClusterAddress((("h", 7000),), tls=TlsOptions(check_hostname=False))),
+        (
+            f"rediss+cluster://:pw@h:7000/?shards=6&{FILES}",
+            ClusterAddress((("h", 7000),), 6, password="pw", tls=CLIENT_CERT),
+        ),
+        (
+            "rediss+cluster://h:7000?ssl_check_hostname=false",
+            ClusterAddress((("h", 7000),), tls=TlsOptions(check_hostname=False)),
+        ),
         ("redis+cluster://h:7000?shards=4", ClusterAddress((("h", 7000),), 4, tls=None)),
     ],
 )
@@ -71,8 +86,14 @@ def test_a_tls_cluster_url_carries_its_ca_and_client_certificate(url, address):
 @pytest.mark.parametrize(
     "url, complaint",
     [
-        ("redis+sentinel://h/m?ssl_ca_certs=/ca.pem", r"ssl_ca_certs is a TLS option: a URL over TLS starts with rediss\+sentinel://"),
-        ("redis+cluster://h:1?ssl_certfile=/c.pem&ssl_keyfile=/c.key", r"ssl_certfile is a TLS option: a URL over TLS starts with rediss\+cluster://"),
+        (
+            "redis+sentinel://h/m?ssl_ca_certs=/ca.pem",
+            r"ssl_ca_certs is a TLS option: a URL over TLS starts with rediss\+sentinel://",
+        ),
+        (
+            "redis+cluster://h:1?ssl_certfile=/c.pem&ssl_keyfile=/c.key",
+            r"ssl_certfile is a TLS option: a URL over TLS starts with rediss\+cluster://",
+        ),
         ("rediss+sentinel://h/m?ssl_certfile=/c.pem", "ssl_certfile and ssl_keyfile come together"),
         ("rediss+cluster://h:1?ssl_keyfile=/c.key", "ssl_certfile and ssl_keyfile come together"),
         ("rediss+sentinel://h/m?ssl_ca_certs=", "ssl_ca_certs is the path of a PEM file"),
@@ -119,7 +140,9 @@ def tls_sentinels(tls_files, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def tls_cluster(tls_files, tmp_path_factory: pytest.TempPathFactory):
     server, tls = tls_files
-    with EmbeddedCluster(primaries=3, shards=6, root=tmp_path_factory.mktemp("tls-cluster"), server=server, tls=tls) as started:
+    with EmbeddedCluster(
+        primaries=3, shards=6, root=tmp_path_factory.mktemp("tls-cluster"), server=server, tls=tls
+    ) as started:
         yield started
 
 
@@ -174,7 +197,9 @@ def test_a_client_without_a_certificate_is_refused_saying_so(tls_files, tls_sent
     url = tls_sentinels.url.split("?")[0] + f"?ssl_ca_certs={tls.ca}"
     with pytest.raises(FatalError) as refused:
         check_redis(url, timeout=3)
-    message = str(refused.value)  # TLS 1.3 sends the alert after the handshake: the client may see it, or only the socket closed
+    message = str(
+        refused.value
+    )  # TLS 1.3 sends the alert after the handshake: the client may see it, or only the socket closed
     assert f"sentinel 127.0.0.1:{tls_sentinels.sentinel_ports[0]}: " in message, message
     assert "CERTIFICATE_REQUIRED" in message or "EOF occurred in violation of protocol" in message, message
 
@@ -199,12 +224,18 @@ async def _complete_requests(stack, tiny) -> None:
     of an undisturbed run of the engine."""
     expected = await expected_answers(tiny, PROMPTS)
     await stack.prepare()
-    client = openai.AsyncOpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    client = openai.AsyncOpenAI(
+        base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S
+    )
     options = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
 
     async def answer(index: int, prompt: str) -> str:
         if index % 2:
-            return (await client.chat.completions.create(messages=chat_messages(prompt), **options)).choices[0].message.content
+            return (
+                (await client.chat.completions.create(messages=chat_messages(prompt), **options))
+                .choices[0]
+                .message.content
+            )
         stream = await client.chat.completions.create(messages=chat_messages(prompt), stream=True, **options)
         return "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
 
@@ -212,11 +243,17 @@ async def _complete_requests(stack, tiny) -> None:
         texts = await asyncio.gather(*(answer(index, prompt) for index, prompt in enumerate(PROMPTS)))
     finally:
         await client.close()
-    problems = [f"{prompt!r}: {text!r}, expected {expected[prompt].text!r}" for prompt, text in zip(PROMPTS, texts) if text != expected[prompt].text]
+    problems = [
+        f"{prompt!r}: {text!r}, expected {expected[prompt].text!r}"
+        for prompt, text in zip(PROMPTS, texts)
+        if text != expected[prompt].text
+    ]
     assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
 
 
-async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_sentinel_set(tls_sentinels, tmp_path: Path, tiny_model_dir, tiny):
+async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_sentinel_set(
+    tls_sentinels, tmp_path: Path, tiny_model_dir, tiny
+):
     stack = SentinelStack(tls_sentinels, StackSpec("tls-sentinel", workers=1, gateways=1), tmp_path, tiny_model_dir)
     try:
         await _complete_requests(stack, tiny)
@@ -224,7 +261,9 @@ async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_sentinel_set(
         stack.close()
 
 
-async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_cluster(tls_cluster, tmp_path: Path, tiny_model_dir, tiny):
+async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_cluster(
+    tls_cluster, tmp_path: Path, tiny_model_dir, tiny
+):
     stack = ClusterStack(tls_cluster, StackSpec("tls-cluster", workers=1, gateways=1), tmp_path, tiny_model_dir)
     try:
         await _complete_requests(stack, tiny)
@@ -236,7 +275,10 @@ def test_no_password_of_a_tls_url_shows_in_messages():
     assert redacted("rediss+sentinel://lmq:pw1@h1,h2/m/0?sentinel_password=pw2&ssl_ca_certs=/c/ca.pem") == (
         "rediss+sentinel://lmq:***@h1,h2/m/0?sentinel_password=***&ssl_ca_certs=/c/ca.pem"
     )
-    assert redacted("rediss+cluster://:pw1@h:7000/?shards=6&ssl_ca_certs=/c/ca.pem") == "rediss+cluster://:***@h:7000/?shards=6&ssl_ca_certs=/c/ca.pem"
+    assert (
+        redacted("rediss+cluster://:pw1@h:7000/?shards=6&ssl_ca_certs=/c/ca.pem")
+        == "rediss+cluster://:***@h:7000/?shards=6&ssl_ca_certs=/c/ca.pem"
+    )
 
 
 def test_without_a_tls_server_the_tests_skip_saying_why(monkeypatch, tmp_path):
@@ -246,4 +288,6 @@ def test_without_a_tls_server_the_tests_skip_saying_why(monkeypatch, tmp_path):
     monkeypatch.delenv("LMQ_TLS_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     server, reason = tls_support.tls_server()
-    assert server is None and reason.startswith("no Redis server built with TLS (tried ") and "valkey-server" in reason, reason
+    assert (
+        server is None and reason.startswith("no Redis server built with TLS (tried ") and "valkey-server" in reason
+    ), reason

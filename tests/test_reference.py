@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from bench.quality import CLEAR_MARGIN, EOS_ID, chat_logits, compare, load_mode, top2_margins
 from paged_steps import Chunk, allocate_kv, make_batch
 from reference_data import NEAR_TIE, comparable_steps, load_reference
+
+from bench.quality import CLEAR_MARGIN, EOS_ID, chat_logits, compare, load_mode, top2_margins
 from worker.model.loader import LoadedModel, load_model
 
 MARGIN_TOLERANCE = 1e-3  # |lmq float32 margin - reference margin|, in logits; measured at most 5.5e-5
@@ -60,7 +60,10 @@ def _greedy_chats(loaded: LoadedModel, cases: list[dict], steps: int = 32, page_
         logits[:, EOS_ID] = float("-inf")
         for output, token in zip(outputs, logits.argmax(-1).tolist()):
             output.append(token)
-        chunks = [Chunk([output[-1]], len(case["prompt_ids"]) + len(output) - 1, seq_pages) for case, output, seq_pages in zip(cases, outputs, pages)]
+        chunks = [
+            Chunk([output[-1]], len(case["prompt_ids"]) + len(output) - 1, seq_pages)
+            for case, output, seq_pages in zip(cases, outputs, pages)
+        ]
     return outputs
 
 
@@ -127,7 +130,9 @@ def test_float32_teacher_forced_matches_reference(reference: dict, float32_logit
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, quant", sorted(LIMITS), ids=lambda value: value)
-def test_weight_mode_stays_close_to_float32(reference: dict, float32_logits: list[torch.Tensor], dtype: str, quant: str) -> None:
+def test_weight_mode_stays_close_to_float32(
+    reference: dict, float32_logits: list[torch.Tensor], dtype: str, quant: str
+) -> None:
     """Mean and max KL(p_float32 || p_mode) and clear-margin top-1 agreement within LIMITS (docs/weight-modes.md)."""
     # int4: the native step where the CPU has VNNI (AMX tiles from 6 rows); /invariant: VNNI only; /torch: torch's
     loaded = load_mode(f"{dtype}/{quant}")

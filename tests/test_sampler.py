@@ -13,7 +13,9 @@ from worker.sampler import SamplingState, sample
 VOCAB = 50
 
 
-def state(prompt: tuple[int, ...] = (), generated: tuple[int, ...] = (), logprobs: int | None = None, **params) -> SamplingState:
+def state(
+    prompt: tuple[int, ...] = (), generated: tuple[int, ...] = (), logprobs: int | None = None, **params
+) -> SamplingState:
     return SamplingState(
         SamplingParams(**params),
         prompt_ids=prompt,
@@ -136,7 +138,9 @@ def test_unseeded_temperature_sampling_follows_the_distribution() -> None:
 # ------------------------------------------------------------ logprobs
 
 
-def reference_logprobs(row: list[float], *, temperature: float, top_k: int, top_p: float, min_p: float) -> dict[int, float]:
+def reference_logprobs(
+    row: list[float], *, temperature: float, top_k: int, top_p: float, min_p: float
+) -> dict[int, float]:
     """The documented distribution, computed plainly: scale, keep the top-k, the top-p nucleus and
     the min-p floor, renormalize. Token id -> logprob for the tokens kept."""
     scaled = [value / temperature for value in row]
@@ -218,9 +222,15 @@ def test_logprobs_do_not_depend_on_the_batch() -> None:
     seeded_alone = state(**params)
     alone = [sample(logits[1:2].clone(), [seeded_alone]).logprobs[0] for _ in range(6)]
     seeded = state(**params)
-    others = [state(temperature=1.0, top_k=0, logprobs=2), state(temperature=0, logprobs=20), state(temperature=0.5, top_k=30)]
+    others = [
+        state(temperature=1.0, top_k=0, logprobs=2),
+        state(temperature=0, logprobs=20),
+        state(temperature=0.5, top_k=30),
+    ]
     in_batch = [sample(logits.clone(), [others[0], seeded, others[1], others[2]]).logprobs[1] for _ in range(6)]
     assert in_batch == alone
     greedy_alone = sample(logits[2:3].clone(), [state(temperature=0, logprobs=20)]).logprobs[0]
-    greedy_in_batch = sample(logits.clone(), [others[0], state(**params), state(temperature=0, logprobs=20), others[2]]).logprobs[2]
+    greedy_in_batch = sample(
+        logits.clone(), [others[0], state(**params), state(temperature=0, logprobs=20), others[2]]
+    ).logprobs[2]
     assert greedy_in_batch == greedy_alone

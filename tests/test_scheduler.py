@@ -10,13 +10,24 @@ from worker.scheduler import Scheduler, Sequence, StepPlan
 PAGE = 4
 
 
-def make_scheduler(num_pages: int, *, max_seqs: int = 8, step_tokens: int = 16, batch_tokens_beside_interactive: int = 8) -> Scheduler:
+def make_scheduler(
+    num_pages: int, *, max_seqs: int = 8, step_tokens: int = 16, batch_tokens_beside_interactive: int = 8
+) -> Scheduler:
     cache = KVCache(
-        num_pages=num_pages, page_size=PAGE, num_layers=1, num_kv_heads=1, head_dim=4,
-        dtype=torch.float32, device=torch.device("cpu"),
+        num_pages=num_pages,
+        page_size=PAGE,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
     )
     return Scheduler(
-        cache, max_seqs=max_seqs, step_tokens=step_tokens, max_context=64, batch_tokens_beside_interactive=batch_tokens_beside_interactive
+        cache,
+        max_seqs=max_seqs,
+        step_tokens=step_tokens,
+        max_context=64,
+        batch_tokens_beside_interactive=batch_tokens_beside_interactive,
     )
 
 

@@ -13,8 +13,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fault_support import (
+    CLAIM_IDLE_MS,
+    STREAM,
+    ChatStream,
+    PromptPool,
+    StackSpec,
+    client_session,
+    eventually,
+    stream_all,
+    streaming,
+)
+from sentinel_support import SentinelSet, SentinelStack
 
-from fault_support import CLAIM_IDLE_MS, STREAM, ChatStream, PromptPool, StackSpec, client_session, eventually, stream_all, streaming
 from gateway.config import GatewayConfig
 from lmq.checks import check_gateway, check_worker
 from lmq.redis_server import free_tcp_port
@@ -22,7 +33,6 @@ from lmq.serve import FatalError, check_redis, redacted
 from protocol import CANCEL_CHANNEL
 from protocol.redis_client import connect
 from protocol.sentinel_url import SentinelAddress, is_sentinel_url, parse_sentinel_url
-from sentinel_support import SentinelSet, SentinelStack
 from worker.config import WorkerConfig
 
 # ---------------------------------------------------------------- the URL
@@ -36,11 +46,19 @@ from worker.config import WorkerConfig
             "redis+sentinel://10.0.0.1:26379,10.0.0.2:26380,[::1]:26381,[fe80::1]/cache/3",
             SentinelAddress((("10.0.0.1", 26379), ("10.0.0.2", 26380), ("::1", 26381), ("fe80::1", 26379)), "cache", 3),
         ),
-        ("redis+sentinel://:p%40ss@h1,h2/m/0/", SentinelAddress((("h1", 26379), ("h2", 26379)), "m", 0, password="p@ss")),
-        ("REDIS+SENTINEL://lmq:secret@h:1/m/2", SentinelAddress((("h", 1),), "m", 2, username="lmq", password="secret")),
+        (
+            "redis+sentinel://:p%40ss@h1,h2/m/0/",
+            SentinelAddress((("h1", 26379), ("h2", 26379)), "m", 0, password="p@ss"),
+        ),
+        (
+            "REDIS+SENTINEL://lmq:secret@h:1/m/2",
+            SentinelAddress((("h", 1),), "m", 2, username="lmq", password="secret"),
+        ),
         (
             "redis+sentinel://h/m?sentinel_password=s3&sentinel_username=watcher&min_other_sentinels=2",
-            SentinelAddress((("h", 26379),), "m", sentinel_username="watcher", sentinel_password="s3", min_other_sentinels=2),
+            SentinelAddress(
+                (("h", 26379),), "m", sentinel_username="watcher", sentinel_password="s3", min_other_sentinels=2
+            ),
         ),
     ],
 )
@@ -75,7 +93,10 @@ def test_a_wrong_sentinel_url_says_what_is_wrong(url, complaint):
 
 
 def test_other_urls_are_not_sentinel_urls():
-    assert not any(is_sentinel_url(url) for url in ("redis://h:6379/0", "rediss://h/0", "unix:///tmp/r.sock?db=0", "sentinel://h/m"))
+    assert not any(
+        is_sentinel_url(url)
+        for url in ("redis://h:6379/0", "rediss://h/0", "unix:///tmp/r.sock?db=0", "sentinel://h/m")
+    )
 
 
 def test_a_wrong_sentinel_url_is_refused_at_start_up_naming_the_setting():
@@ -143,8 +164,12 @@ async def pool(tiny) -> PromptPool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then_the_promoted_replica_serves(sentinel_set, tmp_path, tiny_model_dir, pool):
-    stack = SentinelStack(sentinel_set, StackSpec("sentinel", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir)
+async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then_the_promoted_replica_serves(
+    sentinel_set, tmp_path, tiny_model_dir, pool
+):
+    stack = SentinelStack(
+        sentinel_set, StackSpec("sentinel", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir
+    )
     try:
         stack.start_worker()
         stack.start_gateway()
@@ -159,8 +184,12 @@ async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then
                 sentinel_set.kill_primary()
             finally:
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
-        outcomes = [stream.assert_exact_or_visible_error(expected[stream.prompt].text, stack.log_tails()) for stream in streams]
-        print(f"in-flight streams across the failover: {outcomes}; {[stream.error for stream in streams if stream.error]}")
+        outcomes = [
+            stream.assert_exact_or_visible_error(expected[stream.prompt].text, stack.log_tails()) for stream in streams
+        ]
+        print(
+            f"in-flight streams across the failover: {outcomes}; {[stream.error for stream in streams if stream.error]}"
+        )
 
         await sentinel_set.wait_failover()
         stack.assert_alive()
@@ -168,7 +197,11 @@ async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then
         fresh = pool.take(4)
         async with client_session() as session:
             after = await stream_all(session, [ChatStream(stack.urls[0], prompt) for prompt in fresh])
-        problems = [f"after the failover: {stream.describe()}" for stream in after if not stream.is_exact(fresh[stream.prompt].text)]
+        problems = [
+            f"after the failover: {stream.describe()}"
+            for stream in after
+            if not stream.is_exact(fresh[stream.prompt].text)
+        ]
         assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
         assert stack.admin.info("server")["tcp_port"] == sentinel_set.replica.port
         assert stack.group_exists()
@@ -176,9 +209,9 @@ async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then
         def nothing_left() -> bool:  # what ran across the failover is finished, or claimed and finished
             return not stack.pending() and stack.admin.xlen(STREAM) == 0
 
-        await eventually(nothing_left, "an empty request stream with nothing pending", 5 * CLAIM_IDLE_MS / 1000 + 10, stack)
+        await eventually(
+            nothing_left, "an empty request stream with nothing pending", 5 * CLAIM_IDLE_MS / 1000 + 10, stack
+        )
         stack.assert_alive()
     finally:
         stack.close()
-
-

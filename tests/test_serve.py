@@ -99,7 +99,13 @@ def test_sigterm_stops_everything_redis_included(served) -> None:
 
 def _start(folder: pathlib.Path, port: int, env: dict[str, str], log: pathlib.Path) -> subprocess.Popen:
     with log.open("w") as output:
-        return subprocess.Popen([sys.executable, "-m", "lmq", "serve", "--port", str(port)], cwd=folder, env=env, stdout=output, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "lmq", "serve", "--port", str(port)],
+            cwd=folder,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _stop(process: subprocess.Popen) -> int:
@@ -114,7 +120,13 @@ def _stop(process: subprocess.Popen) -> int:
 def test_two_servers_in_one_directory_each_have_their_own_redis(tmp_path, tiny_model_dir) -> None:
     """Neither takes the other's Redis over, and stopping one leaves the other serving."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMQ_") and k not in ("REDIS_URL", "PORT")}
-    env.update(LMQ_MODEL=str(tiny_model_dir), LMQ_MODEL_NAME="tiny", LMQ_DTYPE="float32", LMQ_QUANT="none", LMQ_KV_MEMORY="4MiB")
+    env.update(
+        LMQ_MODEL=str(tiny_model_dir),
+        LMQ_MODEL_NAME="tiny",
+        LMQ_DTYPE="float32",
+        LMQ_QUANT="none",
+        LMQ_KV_MEMORY="4MiB",
+    )
     ports = [free_tcp_port(), free_tcp_port()]
     logs = [tmp_path / "first.log", tmp_path / "second.log"]
     first = _start(tmp_path, ports[0], env, logs[0])
@@ -132,7 +144,9 @@ def test_two_servers_in_one_directory_each_have_their_own_redis(tmp_path, tiny_m
                 assert response.status == 200
         assert _stop(second) == 0
         body = json.dumps({"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{ports[0]}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{ports[0]}/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             assert json.loads(response.read())["usage"]["completion_tokens"] == 3
         assert _stop(first) == 0
@@ -142,4 +156,6 @@ def test_two_servers_in_one_directory_each_have_their_own_redis(tmp_path, tiny_m
                 process.kill()
                 process.wait()
     assert not (tmp_path / ".lmq").exists(), "nothing left in the working directory"
-    assert all(not pathlib.Path(url.removeprefix("unix://").split("?")[0]).parent.exists() for url in urls), "nor in /tmp"
+    assert all(not pathlib.Path(url.removeprefix("unix://").split("?")[0]).parent.exists() for url in urls), (
+        "nor in /tmp"
+    )

@@ -5,10 +5,10 @@ import argparse
 import pytest
 
 from gateway.config import GatewayConfig
+from lmq.checks import check_gateway, check_worker
 from lmq.cli import log_settings, parse_args
 from lmq.settings import add_flags, build
 from worker.config import WorkerConfig
-from lmq.checks import check_gateway, check_worker
 
 
 def parse(settings_class, argv):
@@ -38,7 +38,11 @@ def test_a_malformed_environment_value_is_refused():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--log-level", "debug", "--log-format", "json", "serve"], ["serve", "--log-level", "DEBUG", "--log-format", "json"], ["--log-level", "INFO", "worker", "--log-level", "debug", "--log-format", "JSON"]],
+    [
+        ["--log-level", "debug", "--log-format", "json", "serve"],
+        ["serve", "--log-level", "DEBUG", "--log-format", "json"],
+        ["--log-level", "INFO", "worker", "--log-level", "debug", "--log-format", "JSON"],
+    ],
 )
 def test_log_flags_go_before_or_after_the_subcommand(argv):
     args = parse_args(argv)
@@ -65,7 +69,10 @@ def test_log_settings_read_the_environment_and_refuse_nonsense():
         (dict(cpu_steps="fast"), r"LMQ_CPU_STEPS \(--cpu-steps\) must be one of native, invariant, torch, not 'fast'"),
         (dict(kv_memory="lots"), r"LMQ_KV_MEMORY \(--kv-memory\) must be a size"),
         (dict(kv_memory="0GiB"), r"LMQ_KV_MEMORY \(--kv-memory\) must be more than 0"),
-        (dict(model="/nonexistent/model.gguf"), r"LMQ_MODEL \(--model\): no such file or directory: /nonexistent/model.gguf"),
+        (
+            dict(model="/nonexistent/model.gguf"),
+            r"LMQ_MODEL \(--model\): no such file or directory: /nonexistent/model.gguf",
+        ),
         (dict(max_seqs=0), r"LMQ_MAX_SEQS \(--max-seqs\) must be at least 1"),
         (dict(metrics_port=70000), r"LMQ_METRICS_PORT \(--metrics-port\) must be between 0 and 65535"),
         (dict(log_format="xml"), r"LMQ_LOG_FORMAT"),
@@ -81,7 +88,10 @@ def test_worker_settings_are_checked_before_anything_starts(settings, message):
     [
         (dict(port=0), r"PORT \(--port\) must be between 1 and 65535"),
         (dict(request_timeout=0.0), r"LMQ_REQUEST_TIMEOUT \(--request-timeout\) must be more than 0"),
-        (dict(api_keys_file="/nonexistent/keys"), r"LMQ_API_KEYS_FILE \(--api-keys-file\): cannot read /nonexistent/keys"),
+        (
+            dict(api_keys_file="/nonexistent/keys"),
+            r"LMQ_API_KEYS_FILE \(--api-keys-file\): cannot read /nonexistent/keys",
+        ),
         (dict(log_level="chatty"), r"LMQ_LOG_LEVEL"),
         (dict(rate_limit_tokens=-1), r"LMQ_RATE_LIMIT_TOKENS \(--rate-limit-tokens\) must be"),
         (dict(max_queue_per_key=-1), r"LMQ_MAX_QUEUE_PER_KEY \(--max-queue-per-key\) must be"),

@@ -15,11 +15,11 @@ import time
 import pytest
 import redis
 from process_logs import wait_for_line
+from redis_acl import create_lmq_user, user_url
 
 from lmq.redis_server import EmbeddedRedis, free_tcp_port
 from lmq.serve import FatalError, check_redis
 from protocol import CANCEL_CHANNEL, gateway_reply_channel
-from redis_acl import create_lmq_user, user_url
 
 EXIT_WITHIN_S = 30
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +33,12 @@ def clean_environment(**extra: str) -> dict[str, str]:
 def lmq(args: list[str], cwd: pathlib.Path, timeout: float = EXIT_WITHIN_S, **env: str) -> subprocess.CompletedProcess:
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "lmq", *args], cwd=cwd, env=clean_environment(**env), capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "lmq", *args],
+        cwd=cwd,
+        env=clean_environment(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     result.seconds = time.monotonic() - started
     return result
@@ -94,7 +99,9 @@ def test_a_model_that_fails_to_load_stops_serve(workdir: pathlib.Path) -> None:
 
 
 def test_a_kv_cache_too_large_for_the_machine(workdir: pathlib.Path, tiny_model_dir: pathlib.Path) -> None:
-    env = dict(LMQ_MODEL=str(tiny_model_dir), LMQ_DTYPE="float32", LMQ_QUANT="none", LMQ_KV_MEMORY="1000TiB")  # > 2^47 bytes
+    env = dict(
+        LMQ_MODEL=str(tiny_model_dir), LMQ_DTYPE="float32", LMQ_QUANT="none", LMQ_KV_MEMORY="1000TiB"
+    )  # > 2^47 bytes
     result = lmq(["serve", "--port", str(free_tcp_port())], workdir, **env)
     assert_fails_with(result, "out of memory", "LMQ_KV_MEMORY")
 
@@ -129,7 +136,9 @@ def test_an_unauthorised_redis(workdir: pathlib.Path, locked_redis, command: str
     assert "wrong" not in last, "the password is not shown"
     assert_fails_with(lmq([command], workdir, REDIS_URL=user_url(url, "lmq", "wrong"), PORT=port), "refused the login")
     assert_fails_with(lmq([command], workdir, REDIS_URL=url, PORT=port), "needs a password")
-    assert_fails_with(lmq([command], workdir, REDIS_URL=user_url(url, "pinger", "pw"), PORT=port), "permission", "subscribe")
+    assert_fails_with(
+        lmq([command], workdir, REDIS_URL=user_url(url, "pinger", "pw"), PORT=port), "permission", "subscribe"
+    )
 
 
 def test_the_documented_acl_user_passes_the_check(locked_redis) -> None:
@@ -159,7 +168,13 @@ def test_serve_exits_when_its_redis_dies(workdir: pathlib.Path, tmp_path_factory
     env = clean_environment(LMQ_MODEL=str(tiny_model_dir), LMQ_DTYPE="float32", LMQ_QUANT="none", LMQ_KV_MEMORY="4MiB")
     logs = tmp_path_factory.mktemp("logs")
     with (logs / "out").open("w") as out, (logs / "err").open("w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "lmq", "serve", "--port", str(free_tcp_port())], cwd=workdir, env=env, stdout=out, stderr=err)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "lmq", "serve", "--port", str(free_tcp_port())],
+            cwd=workdir,
+            env=env,
+            stdout=out,
+            stderr=err,
+        )
     try:
         lines = wait_for_line(logs / "out", process, "lmq: ready", timeout=120)
         url = next(line.split(" at ", 1)[1].strip() for line in lines if "embedded Redis" in line)

@@ -28,7 +28,14 @@ KL_TOLERANCE = {"cpu-torch": (0.0, 0.0), "cpu-native": (0.01, 0.05), "cuda": (0.
 
 
 def _load(device: str, cpu_steps: str) -> LoadedModel:
-    return compute_thread.run(load_model, None, dtype="bfloat16", quant="int4" if device == "cpu" else "auto", device=device, cpu_steps=cpu_steps)
+    return compute_thread.run(
+        load_model,
+        None,
+        dtype="bfloat16",
+        quant="int4" if device == "cpu" else "auto",
+        device=device,
+        cpu_steps=cpu_steps,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +154,9 @@ def test_the_engine_runs_its_steps_on_the_backend_it_is_given(tiny) -> None:
 
     backend = Counting(tiny, max_threads=1)
     done: list[str] = []
-    engine = Engine(tiny, on_step=lambda outputs: done.extend(o.id for o in outputs if o.finish_reason), backend=backend)
+    engine = Engine(
+        tiny, on_step=lambda outputs: done.extend(o.id for o in outputs if o.finish_reason), backend=backend
+    )
     assert engine.backend is backend and engine.scheduler.batch_tokens_beside_interactive == 3
     engine.add(GenRequest("r", list(range(5, 30)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
     engine.stop()

@@ -58,4 +58,3 @@ def test_greedy_answers_are_the_same_on_one_thread_and_on_two(tiny):
     one, two = answers(1), answers(2)
     assert len(one) == 6 and all(len(tokens) == 24 for tokens in one.values())
     assert one == two
-

@@ -23,11 +23,10 @@ import pytest
 import redis
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_model import make_tiny_model
 
 from lmq.redis_server import EmbeddedRedis, free_tcp_port
 from protocol import worker_key
-from tiny_model import make_tiny_model
-
 
 LMQ = Path(sys.executable).with_name("lmq")  # the console script installed next to this Python
 MODEL_NAME = "tiny"
@@ -123,7 +122,11 @@ def topology(tmp_path: Path):
         try:
             worker_metrics_urls = start_workers(processes, environment, model_dir)
             gateway_urls = start_gateways(processes, environment)
-            wait_until(lambda: workers_heartbeating(redis_server.url, list(worker_metrics_urls)), "workers heartbeating", processes)
+            wait_until(
+                lambda: workers_heartbeating(redis_server.url, list(worker_metrics_urls)),
+                "workers heartbeating",
+                processes,
+            )
             wait_until(lambda: all(gateway_ready(url) for url in gateway_urls), "gateways ready", processes)
             yield Topology(gateway_urls, worker_metrics_urls, processes)
         finally:
@@ -162,7 +165,9 @@ def start_gateways(processes: Processes, environment: dict[str, str]) -> list[st
     urls = []
     for index in range(GATEWAYS):
         port = free_tcp_port()
-        processes.start(f"topology-gateway-{index}", "gateway", {**environment, "LMQ_HOST": "127.0.0.1", "PORT": str(port)})
+        processes.start(
+            f"topology-gateway-{index}", "gateway", {**environment, "LMQ_HOST": "127.0.0.1", "PORT": str(port)}
+        )
         urls.append(f"http://127.0.0.1:{port}")
     return urls
 
@@ -205,7 +210,9 @@ def requests_finished(metrics_url: str) -> float:
 
 
 async def test_concurrent_streams_through_two_gateways_spread_over_three_workers(topology: Topology) -> None:
-    clients = [AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S) for url in topology.gateway_urls]
+    clients = [
+        AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S) for url in topology.gateway_urls
+    ]
     prompts = [f"Request {i}: what is the capital of France? The quick brown fox." for i in range(REQUESTS)]
     try:
         answers = await asyncio.wait_for(

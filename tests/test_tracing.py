@@ -43,15 +43,26 @@ async def test_a_request_is_one_trace_from_gateway_to_worker(tiny, redis_url, sp
     spans.clear()
     async with real_worker(redis_url, tiny), running_gateway(redis_url) as url:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        await client.chat.completions.create(model=REAL_MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0)
+        await client.chat.completions.create(
+            model=REAL_MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0
+        )
         await client.close()
         [worker_root] = await _finished(spans, "lmq.worker.request")
     [gateway_root] = [span for span in spans.get_finished_spans() if span.name == "lmq.gateway.request"]
     assert worker_root.context.trace_id == gateway_root.context.trace_id
     assert worker_root.parent.span_id == gateway_root.context.span_id
-    children = {span.name: span for span in spans.get_finished_spans() if span.parent and span.parent.span_id == worker_root.context.span_id}
+    children = {
+        span.name: span
+        for span in spans.get_finished_spans()
+        if span.parent and span.parent.span_id == worker_root.context.span_id
+    }
     assert set(children) == {"queue_wait", "prefill", "decode", "publish"}
-    assert children["queue_wait"].end_time <= children["prefill"].start_time <= children["decode"].start_time <= children["publish"].start_time
+    assert (
+        children["queue_wait"].end_time
+        <= children["prefill"].start_time
+        <= children["decode"].start_time
+        <= children["publish"].start_time
+    )
     assert worker_root.attributes["lmq.outcome"] == "length"
     assert gateway_root.attributes["lmq.completion_tokens"] == 5
 

@@ -63,9 +63,10 @@ def test_no_dense_copies_when_they_would_not_fit() -> None:
 
 @pytest.mark.slow
 def test_both_weight_sets_of_the_auto_mode_stay_close_to_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bench.quality import chat_logits, compare
     from reference_data import load_reference
     from test_reference import LIMITS
+
+    from bench.quality import chat_logits, compare
     from worker.model import loader
 
     monkeypatch.setattr(loader, "MEASURE_WEIGHTS", True)
@@ -91,8 +92,14 @@ def test_the_default_cpu_mode_runs_small_steps_on_int4_long_prompts_on_dense_cop
 
     auto = loader.load_model(device="cpu")
     head = auto.model.lm_head
-    assert isinstance(head, TieredLinear) and isinstance(head.small, Int8Linear) and isinstance(head.dense, PackedLinear)
+    assert (
+        isinstance(head, TieredLinear) and isinstance(head.small, Int8Linear) and isinstance(head.dense, PackedLinear)
+    )
     assert head.dense_from_rows == auto.head_int8_below == loader.HEAD_INT8_BELOW
     gate_up = auto.model.layers[0].gate_up
-    assert isinstance(gate_up, TieredLinear) and isinstance(gate_up.small, Int4Linear) and isinstance(gate_up.dense, PackedLinear)
+    assert (
+        isinstance(gate_up, TieredLinear)
+        and isinstance(gate_up.small, Int4Linear)
+        and isinstance(gate_up.dense, PackedLinear)
+    )
     assert gate_up.dense_from_rows == auto.dense_from_rows == loader.DENSE_FROM_ROWS

@@ -7,12 +7,20 @@ A cancel for a request the worker does not run is remembered under the same key,
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 
+from worker_helpers import (
+    chat_request,
+    enqueue,
+    final_events,
+    reply_events,
+    running_worker,
+    streamed_tokens,
+    wait_for,
+    worker_config,
+)
 from worker_process import SlowModel
-from worker_helpers import chat_request, enqueue, final_events, reply_events, running_worker, streamed_tokens, wait_for, worker_config
 
 import protocol
 from worker.cancel_memory import CancelMemory
@@ -52,7 +60,11 @@ async def test_a_cancel_without_the_requests_token_does_not_stop_it(tiny, redis_
 
 async def test_an_early_cancel_reaches_only_the_request_with_its_token(tiny, redis_url, redis_client):
     async with running_worker(worker_config(redis_url, "w1"), tiny) as worker:
-        for cancel in (protocol.cancel_message("order-42", TOKEN_B), protocol.cancel_message("order-42"), protocol.cancel_message("order-43", TOKEN_A)):
+        for cancel in (
+            protocol.cancel_message("order-42", TOKEN_B),
+            protocol.cancel_message("order-42"),
+            protocol.cancel_message("order-43", TOKEN_A),
+        ):
             await redis_client.publish(protocol.CANCEL_CHANNEL, cancel)
         heard = lambda: _true(("order-43", protocol.cancel_digest(TOKEN_A)) in worker._early_cancels)  # noqa: E731
         await wait_for(heard, what="the cancellations to reach the worker")

@@ -7,7 +7,6 @@ import asyncio
 import redis.asyncio as aioredis
 
 from protocol import REQUEST_GROUP
-
 from worker.claims import RequestStream
 
 STREAM = "lmq:req:test"
@@ -37,14 +36,15 @@ async def test_idle_entries_are_claimed_unless_kept(redis_client):
     # Both entries were last delivered an hour ago (XCLAIM's IDLE backdates them; JUSTID leaves their
     # delivery counts alone). Sleeping past a short claim time instead made the verdict depend on the
     # machine: a pause longer than that claim time between keep and claim let the kept entry go too.
-    await redis_client.xclaim(STREAM, REQUEST_GROUP, "w1", 0, [kept.entry_id, abandoned.entry_id], idle=HOUR_MS, justid=True)
+    await redis_client.xclaim(
+        STREAM, REQUEST_GROUP, "w1", 0, [kept.entry_id, abandoned.entry_id], idle=HOUR_MS, justid=True
+    )
     await holder.keep([kept.entry_id])
     claimed = await thief.claim_idle(min_idle_ms=CLAIM_IDLE_MS, count=10)
     assert [e.entry_id for e in claimed] == [abandoned.entry_id]
     assert claimed[0].fields == {b"msg": b"abandoned"}
     assert await thief.delivery_count(abandoned.entry_id) == 2
     assert await holder.delivery_count(kept.entry_id) == 1
-
 
 
 async def test_a_withdrawn_entry_is_acknowledged_not_run(any_redis_url):
@@ -67,7 +67,7 @@ async def test_a_withdrawn_entry_is_acknowledged_not_run(any_redis_url):
 async def test_keeping_never_takes_an_entry_back_from_its_new_owner(any_redis_url):
     """A worker that stalled past the claim time and woke up learns it lost the entry."""
     redis = aioredis.Redis.from_url(any_redis_url)
-    stale, new = RequestStream(redis, STREAM, "stale"), RequestStream(redis, STREAM, "new")
+    stale = RequestStream(redis, STREAM, "stale")
     await stale.ensure_group()
     await redis.xadd(STREAM, {"msg": "a"})
     await redis.xadd(STREAM, {"msg": "b"})
@@ -75,6 +75,9 @@ async def test_keeping_never_takes_an_entry_back_from_its_new_owner(any_redis_ur
     await asyncio.sleep(0.05)
     await redis.xclaim(STREAM, REQUEST_GROUP, "new", 10, [taken.entry_id])
     assert await stale.keep([taken.entry_id, still_mine.entry_id]) == [taken.entry_id]
-    owners = {p["message_id"].decode(): p["consumer"] for p in await redis.xpending_range(STREAM, REQUEST_GROUP, min="-", max="+", count=10)}
+    owners = {
+        p["message_id"].decode(): p["consumer"]
+        for p in await redis.xpending_range(STREAM, REQUEST_GROUP, min="-", max="+", count=10)
+    }
     assert owners == {taken.entry_id: b"new", still_mine.entry_id: b"stale"}
     await redis.aclose()

@@ -23,11 +23,21 @@ from worker.service import run_worker
 
 REQUEST_FIELDS = ["v", "id", "model", "reply", "sampling", "deadline", "messages", "prompt", "prompt_ids", "truncate"]
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12) | st.binary(max_size=12),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=10,
 )
-entry_fields = st.dictionaries(st.sampled_from([b"msg", b"id", b"x"]) | st.binary(min_size=1, max_size=8), st.binary(max_size=64), min_size=1, max_size=3)
+entry_fields = st.dictionaries(
+    st.sampled_from([b"msg", b"id", b"x"]) | st.binary(min_size=1, max_size=8),
+    st.binary(max_size=64),
+    min_size=1,
+    max_size=3,
+)
 mutations = st.dictionaries(st.sampled_from(REQUEST_FIELDS), values, max_size=3)
 _reply_numbers = itertools.count()
 
@@ -35,7 +45,9 @@ _reply_numbers = itertools.count()
 @pytest.fixture(scope="module")
 def worker_url(tmp_path_factory, redis_server):
     """One worker on the session's Redis, in a thread with its own event loop, for the whole module."""
-    tiny = load_model(str(make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))), dtype="float32", quant="none", device="cpu")
+    tiny = load_model(
+        str(make_tiny_model(pathlib.Path(tmp_path_factory.mktemp("tiny")))), dtype="float32", quant="none", device="cpu"
+    )
     redis.Redis.from_url(redis_server.url).flushall()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()

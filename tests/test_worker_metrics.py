@@ -32,11 +32,15 @@ async def test_metrics_describe_the_engine_and_the_outcomes(tiny, redis_url, red
     async with running_worker(worker_config(redis_url, "w1", metrics_port=port), tiny):
         await enqueue(redis_client, chat_request("r1", max_tokens=5, prompt=PROMPT))
         await final_events(redis_client, "out:r1")
-        await enqueue(redis_client, chat_request("r2", max_tokens=5, prompt=PROMPT))  # the same prompt: a prefix-cache hit
+        await enqueue(
+            redis_client, chat_request("r2", max_tokens=5, prompt=PROMPT)
+        )  # the same prompt: a prefix-cache hit
         await final_events(redis_client, "out:r2")
         samples = await asyncio.to_thread(_scrape, port)
 
-    assert all(("model", MODEL) in labels or ("model_name", MODEL) in labels for _, labels in samples), "every sample has the model label (vLLM's aliases: model_name)"
+    assert all(("model", MODEL) in labels or ("model_name", MODEL) in labels for _, labels in samples), (
+        "every sample has the model label (vLLM's aliases: model_name)"
+    )
     assert _value(samples, "lmq_generation_tokens_total") == 10
     assert _value(samples, "lmq_requests_finished_total", outcome="length") == 2
     assert _value(samples, "lmq_requests_running") == 0

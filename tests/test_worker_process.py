@@ -10,7 +10,17 @@ import subprocess
 import sys
 
 import pytest
-from worker_helpers import STREAM, chat_request, enqueue, final_events, reply_events, running_worker, streamed_tokens, wait_for, worker_config
+from worker_helpers import (
+    STREAM,
+    chat_request,
+    enqueue,
+    final_events,
+    reply_events,
+    running_worker,
+    streamed_tokens,
+    wait_for,
+    worker_config,
+)
 
 import protocol
 from protocol import REQUEST_GROUP, decode_progress, progress_key
@@ -32,7 +42,14 @@ async def start_process(tiny_model_dir, redis_url, redis_client, tmp_path):
     processes: list[subprocess.Popen] = []
 
     async def start(worker_id: str, step_seconds: float) -> subprocess.Popen:
-        command = [sys.executable, str(REPO / "tests" / "worker_process.py"), str(tiny_model_dir), redis_url, worker_id, str(step_seconds)]
+        command = [
+            sys.executable,
+            str(REPO / "tests" / "worker_process.py"),
+            str(tiny_model_dir),
+            redis_url,
+            worker_id,
+            str(step_seconds),
+        ]
         env = {**os.environ, "PYTHONPATH": str(REPO), "LMQ_GRACE_SECONDS": str(GRACE_SECONDS)}
         log = tmp_path / f"{worker_id}.log"
         with log.open("wb") as output:  # a file, not a pipe nobody reads: a full pipe would block the worker's logging
@@ -61,7 +78,9 @@ async def _deltas(redis, reply_key: str, at_least: int) -> list[dict]:
     return await wait_for(enough, what=f"{at_least} events on {reply_key}")
 
 
-async def test_a_killed_workers_request_completes_coherently_on_another(tiny_model_dir, start_process, redis_url, redis_client):
+async def test_a_killed_workers_request_completes_coherently_on_another(
+    tiny_model_dir, start_process, redis_url, redis_client
+):
     # Each step takes at least 0.25 s, so the kill lands mid-generation unless this test stalls for
     # 9 s between seeing the third delta and sending SIGKILL.
     doomed = await start_process("doomed", step_seconds=0.25)

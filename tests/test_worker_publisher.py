@@ -15,9 +15,9 @@ from protocol import (
     decode_event,
     decode_event_batch,
     decode_progress,
-    encode_event_batch,
     delta_event,
     done_event,
+    encode_event_batch,
     progress_key,
 )
 from protocol.keys import INTERACTIVE
@@ -275,7 +275,13 @@ async def test_an_event_too_large_for_any_message_fails_its_own_request_alone(re
     await publisher.flush()
     data = (await _messages(pubsub, 1))[0]
     events = decode_event_batch(data)
-    assert [(e["id"], e["type"], e["seq"]) for e in events] == [("a", "delta", 3), ("b", "delta", 3), ("b", "delta", 4), ("c", "delta", 3), ("tok", "error", 0)]
+    assert [(e["id"], e["type"], e["seq"]) for e in events] == [
+        ("a", "delta", 3),
+        ("b", "delta", 3),
+        ("b", "delta", 4),
+        ("c", "delta", 3),
+        ("tok", "error", 0),
+    ]
     assert events[4]["code"] == "too_large"
     assert [(entry, status) for entry, status, _ in refused] == [(entries[3], "too_large")]
     assert (await redis_client.xpending(STREAM, REQUEST_GROUP))["pending"] == 3  # the big one was acknowledged

@@ -8,7 +8,6 @@ import subprocess
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from worker_process import SlowModel
 from worker_helpers import (
     STREAM,
     chat_request,
@@ -20,14 +19,13 @@ from worker_helpers import (
     wait_for,
     worker_config,
 )
+from worker_process import SlowModel
 
 import protocol
 from lmq.redis_server import find_redis_server, free_tcp_port
 from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, progress_key
 from worker.claims import RequestStream
 from worker.stub_model import stub_model
-
-
 
 
 async def test_a_request_streams_deltas_then_done_and_leaves_nothing_behind(tiny, redis_url, redis_client):
@@ -55,7 +53,13 @@ async def test_two_workers_share_one_stream(tiny, redis_url, redis_client):
                 await enqueue(redis_client, chat_request(request_id, max_tokens=24))
             for request_id in ids:
                 assert (await final_events(redis_client, f"out:{request_id}"))[-1]["type"] == "done"
-            served = [w.metrics.registry.get_sample_value("lmq_requests_finished_total", {"model": "tiny", "outcome": "length"}) or 0 for w in (first, second)]
+            served = [
+                w.metrics.registry.get_sample_value(
+                    "lmq_requests_finished_total", {"model": "tiny", "outcome": "length"}
+                )
+                or 0
+                for w in (first, second)
+            ]
     assert sum(served) == 8
     assert min(served) > 0
 
@@ -87,7 +91,9 @@ async def test_bad_entries_are_answered_dead_lettered_acked_and_the_worker_goes_
         await enqueue(redis_client, chat_request("bad-token", prompt_ids=[10**6]))
         await enqueue(redis_client, good)
         assert (await final_events(redis_client, "out:good"))[-1]["type"] == "done"
-        errors = {key: (await final_events(redis_client, f"out:{key}"))[-1] for key in ("old", "late", "huge", "bad-token")}
+        errors = {
+            key: (await final_events(redis_client, f"out:{key}"))[-1] for key in ("old", "late", "huge", "bad-token")
+        }
         await wait_for(lambda: _all_acked(redis_client), what="every entry acknowledged")
     assert {key: e["code"] for key, e in errors.items()} == {
         "old": "unsupported_version",
@@ -118,8 +124,12 @@ async def test_a_claimed_entry_continues_after_the_tokens_already_streamed(tiny,
         await enqueue(redis_client, chat_request("clean", max_tokens=12))
         clean = streamed_tokens(await final_events(redis_client, "out:clean"))
     # A worker read "resumed", streamed its first 5 tokens, and died.
-    await _pending_at_dead_worker(redis_client, chat_request("resumed", max_tokens=12), deliveries=1, progress=clean[:5])
-    await redis_client.xadd("out:resumed", {"msg": protocol.encode(protocol.delta_event("resumed", 0, "", clean[:5], 0))})
+    await _pending_at_dead_worker(
+        redis_client, chat_request("resumed", max_tokens=12), deliveries=1, progress=clean[:5]
+    )
+    await redis_client.xadd(
+        "out:resumed", {"msg": protocol.encode(protocol.delta_event("resumed", 0, "", clean[:5], 0))}
+    )
     async with running_worker(worker_config(redis_url, "w2"), tiny):
         events = await final_events(redis_client, "out:resumed")
     assert events[1]["offset"] == 5

@@ -22,9 +22,8 @@ import sentencepiece
 import torch
 import transformers
 from safetensors.torch import load_file
-from tokenizers import AddedToken, Tokenizer, processors
-
 from tiny_model import CHATML_TEMPLATE, _train_tokenizer
+from tokenizers import AddedToken, Tokenizer, processors
 
 COMMON = dict(
     hidden_size=64,
@@ -61,21 +60,41 @@ FAMILIES = [
     TinyFamily(
         "llama3-rope",
         "LlamaForCausalLM",
-        dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
         A.LLAMA,
         legacy_config=True,
     ),
     TinyFamily("mistral", "MistralForCausalLM", dict(sliding_window=None), A.LLAMA),
-    TinyFamily("mistral-window", "MistralForCausalLM", dict(sliding_window=6)),  # llama.cpp keeps no window for llama-arch
+    TinyFamily(
+        "mistral-window", "MistralForCausalLM", dict(sliding_window=6)
+    ),  # llama.cpp keeps no window for llama-arch
     TinyFamily("qwen2", "Qwen2ForCausalLM", dict(tie_word_embeddings=True), A.QWEN2),
     TinyFamily(
         "qwen2-yarn",
         "Qwen2ForCausalLM",
-        dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}),
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
         A.QWEN2,
         legacy_config=True,
     ),
-    TinyFamily("qwen2-window", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    TinyFamily(
+        "qwen2-window", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    ),
     TinyFamily("qwen3", "Qwen3ForCausalLM", dict(head_dim=32), A.QWEN3),
     TinyFamily(
         "qwen3-moe",
@@ -87,18 +106,39 @@ FAMILIES = [
     TinyFamily(
         "qwen3-moe-dense-layer",
         "Qwen3MoeForCausalLM",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[0], head_dim=16),
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+            head_dim=16,
+        ),
     ),
     TinyFamily(
         "gemma2",
         "Gemma2ForCausalLM",
-        dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True),
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=6,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=True,
+        ),
         A.GEMMA2,
     ),
     TinyFamily(
         "gemma2-query-scalar",
         "Gemma2ForCausalLM",
-        dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True),
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=True,
+        ),
     ),
     TinyFamily(
         "gemma3",
@@ -127,7 +167,12 @@ FAMILIES = [
         dict(
             pad_token_id=None,
             original_max_position_embeddings=16,
-            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _longrope_factors(1), "long_factor": _longrope_factors(2)},
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": _longrope_factors(1),
+                "long_factor": _longrope_factors(2),
+            },
         ),
         A.PHI3,
         min_compared_length=17,
@@ -212,12 +257,21 @@ def gemma_sentencepiece_tokenizer(directory: pathlib.Path, vocab_size: int = 600
     vocab = {piece.piece: index for index, piece in enumerate(proto.pieces)}
     tokenizer = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in GEMMA_SPECIALS])
-    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
     tokenizer.save(str(directory / "tokenizer.json"))
     return tokenizer
 
 
-def make_family_model(spec: TinyFamily, directory: pathlib.Path, seed: int = 0, *, chat_template: str = CHATML_TEMPLATE, sentencepiece_vocab: bool = False) -> pathlib.Path:
+def make_family_model(
+    spec: TinyFamily,
+    directory: pathlib.Path,
+    seed: int = 0,
+    *,
+    chat_template: str = CHATML_TEMPLATE,
+    sentencepiece_vocab: bool = False,
+) -> pathlib.Path:
     """sentencepiece_vocab: a Gemma-style SentencePiece vocabulary (bos <bos>, eos <eos>) instead of the byte-level BPE one."""
     directory.mkdir(parents=True, exist_ok=True)
     if sentencepiece_vocab:
@@ -241,13 +295,20 @@ def make_family_model(spec: TinyFamily, directory: pathlib.Path, seed: int = 0, 
     if spec.legacy_config:
         path = directory / "config.json"
         path.write_text(json.dumps(_legacy(json.loads(path.read_text())), indent=2))
-    tokenizer_config = {"bos_token": bos, "eos_token": eos, "chat_template": chat_template, "add_bos_token": sentencepiece_vocab}
+    tokenizer_config = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "chat_template": chat_template,
+        "add_bos_token": sentencepiece_vocab,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return directory
 
 
 def reference_model(directory: pathlib.Path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, attn_implementation="eager").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 @torch.no_grad()
@@ -261,13 +322,19 @@ def reference_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tens
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute: interleave each head's rotary halves."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def _rope(raw: dict[str, Any]) -> dict[str, Any]:
     rope = dict(raw.get("rope_parameters") or {})
     rope = rope.get("full_attention", rope)
-    return {**(raw.get("rope_scaling") or {}), **rope, "rope_theta": rope.get("rope_theta", raw.get("rope_theta", 10000.0))}
+    return {
+        **(raw.get("rope_scaling") or {}),
+        **rope,
+        "rope_theta": rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+    }
 
 
 def _llama3_rope_factors(raw: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:

@@ -33,14 +33,29 @@ def tls_server() -> tuple[str | None, str]:
         if _has_tls(server):
             return server, ""
         tried.append(server)
-    return None, f"no Redis server built with TLS (tried {', '.join(tried) or 'none'}; run .ci/system-deps or set LMQ_TLS_REDIS_SERVER)"
+    return (
+        None,
+        f"no Redis server built with TLS (tried {', '.join(tried) or 'none'}; run .ci/system-deps or set LMQ_TLS_REDIS_SERVER)",
+    )
 
 
 def _has_tls(server: str) -> bool:
     """Whether `server` knows TLS: given a TLS port and certificate files that do not exist, a
     server without TLS says so and one with TLS fails to load them; both exit at once."""
     missing = "/nonexistent/lmq-tls-probe.pem"
-    probe = [server, "--port", "0", "--tls-port", str(free_tcp_port()), "--tls-cert-file", missing, "--tls-key-file", missing, "--save", ""]
+    probe = [
+        server,
+        "--port",
+        "0",
+        "--tls-port",
+        str(free_tcp_port()),
+        "--tls-cert-file",
+        missing,
+        "--tls-key-file",
+        missing,
+        "--save",
+        "",
+    ]
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
@@ -58,8 +73,28 @@ def make_certificates(directory: Path, name: str = "lmq test") -> ServerTls:
     and a sentinel show it when they connect), and a client certificate, all signed by that CA."""
     directory.mkdir(parents=True, exist_ok=True)
     ca, ca_key = directory / "ca.pem", directory / "ca.key"
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name} CA", "-keyout", ca_key, "-out", ca)
-    server, server_key = _signed(directory, "server", ca, ca_key, "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name} CA",
+        "-keyout",
+        ca_key,
+        "-out",
+        ca,
+    )
+    server, server_key = _signed(
+        directory,
+        "server",
+        ca,
+        ca_key,
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
+    )
     client, client_key = _signed(directory, "client", ca, ca_key, "extendedKeyUsage=clientAuth\n")
     return ServerTls(ca=ca, cert=server, key=server_key, client_cert=client, client_key=client_key)
 
@@ -69,7 +104,23 @@ def _signed(directory: Path, name: str, ca: Path, ca_key: Path, extensions: str)
     ext = directory / f"{name}.ext"
     ext.write_text(extensions)
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", key, "-out", request)
-    _openssl("x509", "-req", "-in", request, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", cert)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        request,
+        "-CA",
+        ca,
+        "-CAkey",
+        ca_key,
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        ext,
+        "-out",
+        cert,
+    )
     return cert, key
 
 

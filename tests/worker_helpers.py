@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
@@ -22,7 +22,15 @@ TIMEOUT_S = 120.0
 
 
 def worker_config(redis_url: str, worker_id: str, **overrides) -> WorkerConfig:
-    settings = dict(redis_url=redis_url, model_name=MODEL, worker_id=worker_id, kv_memory="4MiB", max_seqs=4, claim_idle_ms=600, grace_seconds=30.0)
+    settings = dict(
+        redis_url=redis_url,
+        model_name=MODEL,
+        worker_id=worker_id,
+        kv_memory="4MiB",
+        max_seqs=4,
+        claim_idle_ms=600,
+        grace_seconds=30.0,
+    )
     settings.update(overrides)
     return WorkerConfig(**settings)
 
@@ -61,7 +69,9 @@ async def stop_worker(task: asyncio.Task, stop: asyncio.Event, grace_seconds: fl
         running = [t for t in asyncio.all_tasks() if not t.done() and t is not asyncio.current_task()]
         where = "\n".join(f"  {t.get_name()}: {_top_frame(t)}" for t in running)
         task.cancel()
-        raise AssertionError(f"the worker did not stop within {timeout:.0f} s of its stop event; tasks still running:\n{where}")
+        raise AssertionError(
+            f"the worker did not stop within {timeout:.0f} s of its stop event; tasks still running:\n{where}"
+        )
     task.result()
 
 

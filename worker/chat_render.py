@@ -35,7 +35,12 @@ TOOLS_PREAMBLE = (
 )
 
 
-def render_chat(model: LoadedModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, continue_final: bool = False) -> str:
+def render_chat(
+    model: LoadedModel,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    continue_final: bool = False,
+) -> str:
     template = model.chat_template
     messages = [_as_template_message(message) for message in messages]
     if tools and not template_knows_tools(template.source):
@@ -101,7 +106,10 @@ def tool_calls_grammar(tools: list[dict[str, Any]], parallel: bool) -> dict[str,
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": tool["function"]["name"]}, "arguments": tool["function"].get("parameters") or {"type": "object"}},
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                "arguments": tool["function"].get("parameters") or {"type": "object"},
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
@@ -109,7 +117,10 @@ def tool_calls_grammar(tools: list[dict[str, Any]], parallel: bool) -> dict[str,
     ]
     call = lark_json({"anyOf": variants})
     repeat = "+" if parallel else ""
-    return {"type": "lark", "grammar": f'start: call{repeat}\ncall: "<tool_call>\\n" json_call "\\n</tool_call>" "\\n"?\njson_call: {call}\n'}
+    return {
+        "type": "lark",
+        "grammar": f'start: call{repeat}\ncall: "<tool_call>\\n" json_call "\\n</tool_call>" "\\n"?\njson_call: {call}\n',
+    }
 
 
 def hermes_call(name: str, arguments: Any) -> str:

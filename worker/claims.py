@@ -55,7 +55,9 @@ class RequestStream:
 
     async def read_new(self, count: int, block_ms: int) -> list[Entry]:
         """Up to `count` entries never delivered to anyone, waiting at most `block_ms`."""
-        reply = await self.redis.xreadgroup(REQUEST_GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+        reply = await self.redis.xreadgroup(
+            REQUEST_GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+        )
         return [Entry(_text(entry_id), fields or {}) for entry_id, fields in reply[0][1]] if reply else []
 
     async def claim_idle(self, min_idle_ms: int, count: int) -> list[Entry]:
@@ -65,14 +67,18 @@ class RequestStream:
         drops it from the pending list itself; Redis 6.2 claims it and answers `(nil, nil)`, so we
         find it among our pending entries and acknowledge it.
         """
-        reply = await self.redis.xautoclaim(self.stream, REQUEST_GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count)
+        reply = await self.redis.xautoclaim(
+            self.stream, REQUEST_GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count
+        )
         claimed = [Entry(_text(entry_id), fields or {}) for entry_id, fields in reply[1] if entry_id is not None]
         if len(claimed) < len(reply[1]):
             await self._acknowledge_withdrawn()
         return claimed
 
     async def _acknowledge_withdrawn(self) -> None:
-        pending = await self.redis.xpending_range(self.stream, REQUEST_GROUP, min="-", max="+", count=1000, consumername=self.consumer)
+        pending = await self.redis.xpending_range(
+            self.stream, REQUEST_GROUP, min="-", max="+", count=1000, consumername=self.consumer
+        )
         ids = [_text(item["message_id"]) for item in pending]
         pipe = self.redis.pipeline(transaction=False)
         for entry_id in ids:
@@ -112,7 +118,11 @@ class Lane:
 def model_lanes(layout: ShardLayout, model: str) -> list[Lane]:
     """The lanes of a worker serving `model`, in the order they are served: every shard's interactive
     stream, then every shard's batch stream."""
-    return [Lane(priority, shard.request_stream(model, priority), shard) for priority in (INTERACTIVE, BATCH) for shard in layout.shards]
+    return [
+        Lane(priority, shard.request_stream(model, priority), shard)
+        for priority in (INTERACTIVE, BATCH)
+        for shard in layout.shards
+    ]
 
 
 def entry_handle(lane: str, entry_id: str) -> str:

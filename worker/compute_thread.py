@@ -26,7 +26,9 @@ def executor() -> ThreadPoolExecutor:
     global _executor
     if _executor is None:
         threads = torch.get_num_threads()
-        _executor = ThreadPoolExecutor(1, thread_name_prefix="lmq-torch", initializer=torch.set_num_threads, initargs=(threads,))
+        _executor = ThreadPoolExecutor(
+            1, thread_name_prefix="lmq-torch", initializer=torch.set_num_threads, initargs=(threads,)
+        )
         torch.set_num_threads(1)
     return _executor
 

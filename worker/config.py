@@ -31,26 +31,49 @@ def _default_worker_id() -> str:
 
 @dataclass
 class WorkerConfig:
-    redis_url: str = field(default="redis://localhost:6379/0", metadata={"help": "Redis to read requests from", "env": "REDIS_URL"})
-    model: str = field(default="", metadata={"help": "GGUF file or Hugging Face model directory; empty = the default SmolLM2-135M-Instruct"})
-    model_name: str = field(default="", metadata={"help": "name clients use in `model`; empty = derived from the model file"})
+    redis_url: str = field(
+        default="redis://localhost:6379/0", metadata={"help": "Redis to read requests from", "env": "REDIS_URL"}
+    )
+    model: str = field(
+        default="",
+        metadata={"help": "GGUF file or Hugging Face model directory; empty = the default SmolLM2-135M-Instruct"},
+    )
+    model_name: str = field(
+        default="", metadata={"help": "name clients use in `model`; empty = derived from the model file"}
+    )
     dtype: str = field(default="auto", metadata={"help": "compute dtype: auto, float32, bfloat16, float16"})
     quant: str = field(default="auto", metadata={"help": "weight mode: auto, none, int8, int4"})
     device: str = field(default="auto", metadata={"help": "torch device: auto (cuda when present), cpu, cuda, cuda:N"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch's default"})
-    cpu_steps: str = field(default="native", metadata={"help": "an int4 Llama model's steps on a CPU: native (one C++ call per step where the CPU has AVX-512 VNNI), invariant (native, and a request's tokens independent of its batch) or torch"})
-    kv_memory: str = field(default="auto", metadata={"help": "KV cache budget, e.g. 512MiB or 4GiB; auto = a default per device"})
+    cpu_steps: str = field(
+        default="native",
+        metadata={
+            "help": "an int4 Llama model's steps on a CPU: native (one C++ call per step where the CPU has AVX-512 VNNI), invariant (native, and a request's tokens independent of its batch) or torch"
+        },
+    )
+    kv_memory: str = field(
+        default="auto", metadata={"help": "KV cache budget, e.g. 512MiB or 4GiB; auto = a default per device"}
+    )
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     max_seqs: int = field(default=64, metadata={"help": "most sequences running at once"})
-    step_tokens: int = field(default=512, metadata={"help": "token budget of one engine step (decodes + prefill chunks)"})
+    step_tokens: int = field(
+        default=512, metadata={"help": "token budget of one engine step (decodes + prefill chunks)"}
+    )
     worker_id: str = field(default_factory=_default_worker_id, metadata={"help": "unique consumer name in the group"})
-    claim_idle_ms: int = field(default=15000, metadata={"help": "idle time after which a dead worker's requests are claimed"})
-    max_attempts: int = field(default=3, metadata={"help": "runs of one request before it goes to the dead-letter stream"})
+    claim_idle_ms: int = field(
+        default=15000, metadata={"help": "idle time after which a dead worker's requests are claimed"}
+    )
+    max_attempts: int = field(
+        default=3, metadata={"help": "runs of one request before it goes to the dead-letter stream"}
+    )
     grace_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, time to finish running requests"})
     metrics_port: int = field(default=0, metadata={"help": "port for Prometheus /metrics; 0 = off"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object a line"})
-    otlp_endpoint: str = field(default="", metadata={"help": "OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces); empty = tracing off"})
+    otlp_endpoint: str = field(
+        default="",
+        metadata={"help": "OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces); empty = tracing off"},
+    )
 
 
 def parse_kv_memory(text: str) -> int | None:

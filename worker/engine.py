@@ -27,9 +27,9 @@ from worker.detok import IncrementalDetokenizer, StopStrings, text_state
 from worker.grammar import GrammarCompiler
 from worker.model.loader import LoadedModel
 from worker.prompt import PromptTooLong
-from worker.sampler import MAX_LOGPROBS, Sampled, SamplingState, TokenLogprob, sample
 from worker.runtime.backend import StepBackend
 from worker.runtime.select import select_backend
+from worker.sampler import MAX_LOGPROBS, Sampled, SamplingState, TokenLogprob, sample
 from worker.scheduler import Scheduled, Scheduler, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,9 @@ class Engine:
         if request.id in self._active or any(r.id == request.id for r in self._incoming):
             raise ValueError(f"request {request.id} is already running")
         self._check_fits(request)
-        if request.logprobs is not None and not (type(request.logprobs) is int and 0 <= request.logprobs <= MAX_LOGPROBS):
+        if request.logprobs is not None and not (
+            type(request.logprobs) is int and 0 <= request.logprobs <= MAX_LOGPROBS
+        ):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, not {request.logprobs!r}")
         if request.constraint is not None:
             self.grammars.check(request.constraint)
@@ -398,4 +400,3 @@ class Engine:
             self.scheduler.remove(item.seq)
             outputs.append(active.output([], "", "error", error=f"{type(error).__name__}: {error}"))
         return outputs
-

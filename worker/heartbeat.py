@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
 from protocol import Heartbeat
-from protocol.redis_client import REDIS_FAILURES
 from protocol.keys import UNSHARDED, Shard
+from protocol.redis_client import REDIS_FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,9 @@ HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TTL_S = 10
 
 
-async def heartbeat_loop(redis: aioredis.Redis, worker_id: str, current: Callable[[], Heartbeat], home: Shard = UNSHARDED) -> None:
+async def heartbeat_loop(
+    redis: aioredis.Redis, worker_id: str, current: Callable[[], Heartbeat], home: Shard = UNSHARDED
+) -> None:
     """Refresh the key until cancelled, then delete it so gateways stop listing this worker at once."""
     key = home.worker_key(worker_id)
     try:

@@ -19,7 +19,10 @@ class LogprobEvents:
 
     def __call__(self, logprobs: list[Any]) -> list[dict[str, Any]]:
         """TokenLogprobs (worker/engine.py) → `[{id, token, bytes, logprob, top: [{id, token, bytes, logprob}]}]`."""
-        return [self._token(entry.token_id, entry.logprob) | {"top": [self._token(i, lp) for i, lp in entry.top]} for entry in logprobs]
+        return [
+            self._token(entry.token_id, entry.logprob) | {"top": [self._token(i, lp) for i, lp in entry.top]}
+            for entry in logprobs
+        ]
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         table = token_bytes(self.tokenizer)

@@ -7,7 +7,7 @@ and outcomes are recorded as they happen.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -44,11 +44,19 @@ class _EngineCollector(Collector):
             return family
 
         yield gauge("lmq_requests_running", "sequences in the running batch", stats.running)
-        yield gauge("lmq_requests_waiting", "requests handed to the engine and waiting for pages or a slot", stats.waiting)
+        yield gauge(
+            "lmq_requests_waiting", "requests handed to the engine and waiting for pages or a slot", stats.waiting
+        )
         yield gauge("lmq_kv_pages_used", "KV cache pages held by sequences", stats.kv_pages_used)
         yield gauge("lmq_kv_pages", "KV cache pages in the pool (its capacity)", stats.kv_pages_total)
-        yield counter("lmq_prefix_cache_lookup_tokens", "prompt tokens looked up in the prefix cache", stats.prefix_lookup_tokens)
-        yield counter("lmq_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache (not computed again)", stats.prefix_hit_tokens)
+        yield counter(
+            "lmq_prefix_cache_lookup_tokens", "prompt tokens looked up in the prefix cache", stats.prefix_lookup_tokens
+        )
+        yield counter(
+            "lmq_prefix_cache_hit_tokens",
+            "prompt tokens found in the prefix cache (not computed again)",
+            stats.prefix_hit_tokens,
+        )
         yield counter("lmq_generation_tokens", "tokens sampled", stats.tokens_generated)
         yield counter("lmq_preemptions", "sequences preempted for pages (their KV recomputed later)", stats.preemptions)
         yield from self._vllm_aliases(stats)
@@ -66,8 +74,15 @@ class _EngineCollector(Collector):
         usage = stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
         yield family(GaugeMetricFamily, "vllm:num_requests_running", "alias of lmq_requests_running", stats.running)
         yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "alias of lmq_requests_waiting", stats.waiting)
-        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache pages in use, a fraction (1 = full)", usage)
-        yield family(CounterMetricFamily, "vllm:generation_tokens", "alias of lmq_generation_tokens_total", stats.tokens_generated)
+        yield family(
+            GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache pages in use, a fraction (1 = full)", usage
+        )
+        yield family(
+            CounterMetricFamily,
+            "vllm:generation_tokens",
+            "alias of lmq_generation_tokens_total",
+            stats.tokens_generated,
+        )
         yield family(CounterMetricFamily, "vllm:num_preemptions", "alias of lmq_preemptions_total", stats.preemptions)
 
 
@@ -82,7 +97,13 @@ class WorkerMetrics:
             ["model", "outcome"],
             registry=self.registry,
         )
-        step_seconds = Histogram("lmq_step_seconds", "duration of an engine step (model forward and sampling)", ["model"], buckets=STEP_BUCKETS, registry=self.registry)
+        step_seconds = Histogram(
+            "lmq_step_seconds",
+            "duration of an engine step (model forward and sampling)",
+            ["model"],
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        )
         self._step_seconds = step_seconds.labels(model)  # exported (empty) from the start
         self._server = None
 

@@ -35,7 +35,9 @@ def build_prompt_ids(
     context = model.config.max_context
     limit = context - max_tokens
     if limit < 1:
-        raise PromptTooLong(f"max_tokens {max_tokens} leaves no room for a prompt in the model's context of {context} tokens")
+        raise PromptTooLong(
+            f"max_tokens {max_tokens} leaves no room for a prompt in the model's context of {context} tokens"
+        )
     if messages is not None:
         render = functools.partial(_render, tools=tools, continue_final=continue_final)
         ids = render(model, messages)
@@ -61,7 +63,9 @@ def build_prompt_ids(
     return ids
 
 
-def _render(model: LoadedModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, continue_final: bool) -> list[int]:
+def _render(
+    model: LoadedModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, continue_final: bool
+) -> list[int]:
     text = render_chat(model, messages, tools, continue_final)
     return model.tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -100,7 +104,9 @@ def _cut_order(messages: list[dict[str, Any]]) -> list[int]:
     return others + systems
 
 
-def _cut_content(model: LoadedModel, messages: list[dict[str, Any]], index: int, limit: int, render: Render) -> list[int]:
+def _cut_content(
+    model: LoadedModel, messages: list[dict[str, Any]], index: int, limit: int, render: Render
+) -> list[int]:
     """Keep only the most recent tokens of messages[index]'s content so the render fits, if it can."""
     tokenizer = model.tokenizer
     content_ids = tokenizer.encode(str(messages[index].get("content", "")), add_special_tokens=False).ids

@@ -30,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -179,8 +180,20 @@ class Publisher:
     async def _send_to_shard(self, shard: Shard, writes: dict[str, _EntryWrites]) -> None:
         lanes = [lane for lane in self.lanes.values() if lane.shard == shard]
         stream_numbers = {lane.name: number for number, lane in enumerate(lanes, start=1)}
-        keys = [shard.dead_letter_stream, shard.applied_step_key(self.consumer, self._process_token), *(lane.stream for lane in lanes)]
-        args: list[Any] = [REQUEST_GROUP, self.consumer, self._step, KEY_TTL_S, REPLY_STREAM_MAXLEN, DEAD_LETTER_MAXLEN, MAX_EVENT_BYTES]
+        keys = [
+            shard.dead_letter_stream,
+            shard.applied_step_key(self.consumer, self._process_token),
+            *(lane.stream for lane in lanes),
+        ]
+        args: list[Any] = [
+            REQUEST_GROUP,
+            self.consumer,
+            self._step,
+            KEY_TTL_S,
+            REPLY_STREAM_MAXLEN,
+            DEAD_LETTER_MAXLEN,
+            MAX_EVENT_BYTES,
+        ]
         for handle, entry_writes in writes.items():
             lane, entry_id = split_handle(handle)
             args += entry_writes.arguments(shard, stream_numbers[lane], entry_id)
@@ -207,7 +220,9 @@ class Publisher:
             if status == "orphan":
                 log.warning("entry %s is pending for nobody (the group was reset?); its events still go out", entry_id)
                 continue
-            log.warning("entry %s %s: %s", entry_id, "taken over by another worker" if status == "lost" else "refused", detail)
+            log.warning(
+                "entry %s %s: %s", entry_id, "taken over by another worker" if status == "lost" else "refused", detail
+            )
             refused.add(entry_id)
             self.on_refused(entry_id, status, detail)
         self.on_written([entry_id for entry_id in entry_ids if entry_id not in refused])

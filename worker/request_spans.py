@@ -29,8 +29,15 @@ def _entry_time_ns(entry_id: str) -> int | None:
 
 class RequestSpans:
     def __init__(self, request: Request, entry_id: str, worker_id: str, resumed_tokens: int):
-        attributes = {"lmq.request_id": request.id, "lmq.model": request.model, "lmq.worker": worker_id, "lmq.resumed_tokens": resumed_tokens}
-        self.root = tracer.start_span("lmq.worker.request", context=parent_context(request.trace), attributes=attributes)
+        attributes = {
+            "lmq.request_id": request.id,
+            "lmq.model": request.model,
+            "lmq.worker": worker_id,
+            "lmq.resumed_tokens": resumed_tokens,
+        }
+        self.root = tracer.start_span(
+            "lmq.worker.request", context=parent_context(request.trace), attributes=attributes
+        )
         self._context = trace.set_span_in_context(self.root)
         enqueued = _entry_time_ns(entry_id)
         if enqueued is not None and enqueued < time.time_ns():

@@ -134,7 +134,13 @@ def _pages_for(tokens: int, page_size: int) -> int:
 
 class Scheduler:
     def __init__(
-        self, kv: KVCache, *, max_seqs: int, step_tokens: int, max_context: int, batch_tokens_beside_interactive: int = BATCH_TOKENS_BESIDE_INTERACTIVE
+        self,
+        kv: KVCache,
+        *,
+        max_seqs: int,
+        step_tokens: int,
+        max_context: int,
+        batch_tokens_beside_interactive: int = BATCH_TOKENS_BESIDE_INTERACTIVE,
     ) -> None:
         self.kv = kv
         self.max_seqs = max_seqs
@@ -195,7 +201,9 @@ class Scheduler:
             self.steps_without_interactive = 0
         else:
             self.steps_without_interactive += 1
-        return self.step_tokens if self.steps_without_interactive > QUIET_STEPS else self.batch_tokens_beside_interactive
+        return (
+            self.step_tokens if self.steps_without_interactive > QUIET_STEPS else self.batch_tokens_beside_interactive
+        )
 
     def complete(self, plan: StepPlan) -> None:
         """Record that the plan's tokens are now in the cache; offer newly full pages to the prefix cache."""
@@ -239,7 +247,9 @@ class Scheduler:
             self._append_pages(seq, self.kv.allocate(needed))
         return granted
 
-    def _admit(self, budget: Budget, admit_batch: bool, busy: set[Sequence], preempted: list[Sequence]) -> list[Scheduled]:
+    def _admit(
+        self, budget: Budget, admit_batch: bool, busy: set[Sequence], preempted: list[Sequence]
+    ) -> list[Scheduled]:
         """Start waiting sequences in queue order while the budget, slots and pages allow. An
         interactive one that does not fit preempts batch sequences not in this step (`busy`) until it does."""
         admitted = []

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import signal
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import redis.asyncio as aioredis
 import torch
@@ -28,12 +28,12 @@ from protocol import (
     decode_request,
 )
 from protocol.cluster_url import shard_layout
+from protocol.keys import BATCH, INTERACTIVE
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from worker import compute_thread
-from protocol.keys import BATCH, INTERACTIVE
 from worker.cancel_memory import CancelMemory
-from worker.claims import Entry, RequestStreams, is_missing_group, model_lanes
 from worker.chat_render import tool_calls_grammar
+from worker.claims import Entry, RequestStreams, is_missing_group, model_lanes
 from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.heartbeat import heartbeat_loop
@@ -41,8 +41,8 @@ from worker.logprob_events import LogprobEvents
 from worker.metrics import WorkerMetrics
 from worker.model.loader import LoadedModel, load_model
 from worker.prompt import PromptTooLong, build_prompt_ids
-from worker.tasks import answer_task
 from worker.publisher import Publisher
+from worker.tasks import answer_task
 from worker.tracking import RequestTable
 
 log = logging.getLogger(__name__)
@@ -53,13 +53,22 @@ HOLDER_MARGIN_S = 60  # a request's holder key outlives its deadline by this muc
 CANCEL_TRIES, CANCEL_WAIT_S = 10, 1.0
 # SET NX EX, and answer who holds the key now (this entry, or the one that held it already).
 HOLD_LUA = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return ARGV[1] end return redis.call('GET', KEYS[1])"
-async def run_worker(config: WorkerConfig, *, model: LoadedModel | None = None, stop: asyncio.Event | None = None) -> None:
+
+
+async def run_worker(
+    config: WorkerConfig, *, model: LoadedModel | None = None, stop: asyncio.Event | None = None
+) -> None:
     """Serve until `stop` is set (by default: until SIGTERM), then drain; cancelling stops at once."""
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     if model is None:
         model = await compute_thread.run_async(
-            load_model, config.model or None, dtype=config.dtype, quant=config.quant, device=config.device, cpu_steps=config.cpu_steps
+            load_model,
+            config.model or None,
+            dtype=config.dtype,
+            quant=config.quant,
+            device=config.device,
+            cpu_steps=config.cpu_steps,
         )
     redis = connect(config.redis_url)
     try:
@@ -77,7 +86,9 @@ class Worker:
         self.shards = shard_layout(config.redis_url)
         lanes = model_lanes(self.shards, self.model_name)
         self.stream = RequestStreams(redis, lanes, config.worker_id)
-        self.publisher = Publisher(redis, lanes, config.worker_id, on_refused=self._on_refused, on_written=self._on_written)
+        self.publisher = Publisher(
+            redis, lanes, config.worker_id, on_refused=self._on_refused, on_written=self._on_written
+        )
         self.engine = Engine(
             model,
             kv_memory_bytes=parse_kv_memory(config.kv_memory),
@@ -112,11 +123,16 @@ class Worker:
         engine = asyncio.create_task(self.engine.run(), name="engine")
         background = [
             asyncio.create_task(self.publisher.run(), name="publisher"),
-            asyncio.create_task(heartbeat_loop(self.redis, self.config.worker_id, self._heartbeat, self.shards.home), name="heartbeat"),
+            asyncio.create_task(
+                heartbeat_loop(self.redis, self.config.worker_id, self._heartbeat, self.shards.home), name="heartbeat"
+            ),
             asyncio.create_task(self._listen_for_cancels(), name="cancels"),
             asyncio.create_task(self._keep_loop(), name="keep"),
         ]
-        intake = [asyncio.create_task(self._read_loop(), name="read"), asyncio.create_task(self._claim_loop(), name="claim")]
+        intake = [
+            asyncio.create_task(self._read_loop(), name="read"),
+            asyncio.create_task(self._claim_loop(), name="claim"),
+        ]
         log.info("worker %s serving %s from %s", self.config.worker_id, self.model_name, self.stream.stream)
         try:
             await _until_stop_or_failure(stop, [engine, *intake, *background])
@@ -132,7 +148,7 @@ class Worker:
         self.engine.stop()
         try:
             await asyncio.wait_for(asyncio.shield(engine), self.config.grace_seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("grace period over: %d requests handed back to the group", len(self.table.running))
         await self.publisher.flush()
 
@@ -303,7 +319,16 @@ class Worker:
             # The request ends here: forget its progress and holder, unless those belong to the other run of its id.
             forget = code != "duplicate_id"
             log.info("request_id=%s refused: %s: %s", request.id, code, message, extra={"request_id": request.id})
-            self.table.reject(entry.entry_id, raw, code, message, request_id=request.id, reply=request.reply, seq=len(streamed), forget=forget)
+            self.table.reject(
+                entry.entry_id,
+                raw,
+                code,
+                message,
+                request_id=request.id,
+                reply=request.reply,
+                seq=len(streamed),
+                forget=forget,
+            )
 
     async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
         """For an entry taken over from a dead worker: the tokens it streamed, unless it ran too often."""
@@ -311,7 +336,9 @@ class Worker:
         streamed = decode_progress(await self.redis.get(progress))
         attempts = await self.stream.delivery_count(entry.entry_id)
         if attempts > self.config.max_attempts:
-            raise ProtocolError("retry_limit", f"abandoned by {attempts - 1} workers; the limit is {self.config.max_attempts} runs")
+            raise ProtocolError(
+                "retry_limit", f"abandoned by {attempts - 1} workers; the limit is {self.config.max_attempts} runs"
+            )
         return streamed
 
     async def _hold_id(self, request: Request, entry_id: str) -> None:
@@ -338,13 +365,24 @@ class Worker:
         if constraint is not None and constraint["type"] == "tool_calls":
             constraint = tool_calls_grammar(constraint["tools"], constraint.get("parallel", True))
         work = GenRequest(
-            request.id, prompt_ids, request.sampling, generated_ids=streamed, constraint=constraint, logprobs=request.logprobs,
+            request.id,
+            prompt_ids,
+            request.sampling,
+            generated_ids=streamed,
+            constraint=constraint,
+            logprobs=request.logprobs,
             priority=request.priority,
         )
         self.engine.add(work)
         self.table.start(request, entry_id, len(streamed), len(prompt_ids))
         resumed = f", resuming after {len(streamed)} streamed tokens" if streamed else ""
-        log.info("request_id=%s started: %d prompt tokens%s", request.id, len(prompt_ids), resumed, extra={"request_id": request.id})
+        log.info(
+            "request_id=%s started: %d prompt tokens%s",
+            request.id,
+            len(prompt_ids),
+            resumed,
+            extra={"request_id": request.id},
+        )
         if self._early_cancels.take((request.id, request.cancel_digest)):
             self.engine.cancel(request.id)
 

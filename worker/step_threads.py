@@ -33,7 +33,9 @@ SINGLE_THREAD_WORK = 1e9  # tokens × parameters: up to 7 rows of the default mo
 class StepThreads:
     """One owner: the engine's torch thread calls `choose` before each step."""
 
-    def __init__(self, max_threads: int, parameter_count: int, set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+    def __init__(
+        self, max_threads: int, parameter_count: int, set_threads: Callable[[int], None] = torch.set_num_threads
+    ) -> None:
         self.max_threads = max_threads
         self.parameter_count = parameter_count
         self._set_threads = set_threads

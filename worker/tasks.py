@@ -25,10 +25,22 @@ def answer_task(model: LoadedModel, request: Request) -> dict[str, Any]:
     if request.task == "tokenize":
         ids = _tokenize(model, request)
         if len(ids) > MAX_TOKENIZE_TOKENS:
-            raise ProtocolError("too_large", f"the input is {len(ids)} tokens; tokenize answers at most {MAX_TOKENIZE_TOKENS}")
+            raise ProtocolError(
+                "too_large", f"the input is {len(ids)} tokens; tokenize answers at most {MAX_TOKENIZE_TOKENS}"
+            )
         table = token_bytes(model.tokenizer)
         pieces = [token_string(table[i]) if i < len(table) else "" for i in ids]
-        return done_event(request.id, 0, "tokenized", len(ids), 0, 0, prompt_ids=ids, pieces=pieces, max_context=model.config.max_context)
+        return done_event(
+            request.id,
+            0,
+            "tokenized",
+            len(ids),
+            0,
+            0,
+            prompt_ids=ids,
+            pieces=pieces,
+            max_context=model.config.max_context,
+        )
     ids = _checked(model, request.prompt_ids or [])
     text = model.tokenizer.decode(ids, skip_special_tokens=False)
     return done_event(request.id, 0, "detokenized", len(ids), 0, 0, text=text)

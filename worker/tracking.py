@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from protocol import Reply, Request, delta_event, done_event, error_event, started_event
 from worker.engine import SeqOutput
@@ -35,7 +35,12 @@ LogprobMaps = Callable[[list], list[dict]]
 
 
 class RequestTable:
-    def __init__(self, publisher: Publisher, count_outcome: Callable[[str], None], logprob_maps: LogprobMaps = lambda logprobs: []):
+    def __init__(
+        self,
+        publisher: Publisher,
+        count_outcome: Callable[[str], None],
+        logprob_maps: LogprobMaps = lambda logprobs: [],
+    ):
         self.publisher = publisher
         self.count_outcome = count_outcome  # called with a finish reason or an error code
         self.logprob_maps = logprob_maps  # an output's TokenLogprobs as the protocol's maps (worker/logprob_events.py)
@@ -47,7 +52,9 @@ class RequestTable:
         sent that and at most one delta per streamed token, so a re-run's seq numbers start above them."""
         spans = RequestSpans(request, entry_id, self.publisher.consumer, already_streamed)
         first_seq = already_streamed + 1 if request.announce else already_streamed
-        self.running[request.id] = Running(request, entry_id, next_seq=first_seq, streamed=already_streamed, spans=spans)
+        self.running[request.id] = Running(
+            request, entry_id, next_seq=first_seq, streamed=already_streamed, spans=spans
+        )
         if request.announce and not already_streamed:
             self.publisher.send(entry_id, request.reply, started_event(request.id, 0, prompt_tokens))
 
@@ -69,7 +76,16 @@ class RequestTable:
                 del self.running[output.id]
 
     def reject(
-        self, entry_id: str, raw: bytes, code: str, message: str, *, request_id: str | None, reply: Reply | None, seq: int = 0, forget: bool = False
+        self,
+        entry_id: str,
+        raw: bytes,
+        code: str,
+        message: str,
+        *,
+        request_id: str | None,
+        reply: Reply | None,
+        seq: int = 0,
+        forget: bool = False,
     ) -> None:
         """Answer a request that will not run: an error event where possible, a dead letter unless ordinary.
         `forget`: also delete the request id's progress and holder keys."""
@@ -120,7 +136,13 @@ class RequestTable:
             event = error_event(request.id, seq, "timeout", "the request's deadline passed while it ran")
         else:
             event = done_event(
-                request.id, seq, output.finish_reason, output.prompt_tokens, output.completion_tokens, output.cached_tokens, output.stop_sequence
+                request.id,
+                seq,
+                output.finish_reason,
+                output.prompt_tokens,
+                output.completion_tokens,
+                output.cached_tokens,
+                output.stop_sequence,
             )
         self.publisher.send(running.entry_id, request.reply, event)
         self.publisher.finish(running.entry_id, request.id)

@@ -26,7 +26,11 @@ def add_batch_routes(app: web.Application) -> None:
     """The batch endpoints, and the runner for the application's lifetime (needs `app[GATEWAY]`)."""
     gateway = app[GATEWAY]
     store = BatchStore(gateway.redis, gateway.shards.home)
-    limiter = RateLimiter(gateway.redis, load_limits(gateway.config), gateway.metrics) if load_api_keys(gateway.config) else None
+    limiter = (
+        RateLimiter(gateway.redis, load_limits(gateway.config), gateway.metrics)
+        if load_api_keys(gateway.config)
+        else None
+    )
     app[BATCHES] = Batches(gateway, store, BatchRunner(gateway, store, limiter))
     app.cleanup_ctx.append(_running)
     router = app.router

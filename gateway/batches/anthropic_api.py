@@ -23,18 +23,34 @@ from ..errors import ApiError
 from . import outputs, parse
 from .service import LineError, describe, gateway_batches, owner, page_limit, read_large_body
 from .store import OUTCOMES, Batch
-PROCESSING = {"cancelling": "canceling", "completed": "ended", "cancelled": "ended", "expired": "ended", "failed": "ended"}
+
+PROCESSING = {
+    "cancelling": "canceling",
+    "completed": "ended",
+    "cancelled": "ended",
+    "expired": "ended",
+    "failed": "ended",
+}
 
 
 def _time(value: float | None) -> str | None:
     if value is None:
         return None
-    return datetime.datetime.fromtimestamp(value, datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return (
+        datetime.datetime.fromtimestamp(value, datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    )
 
 
 def batch_object(batch: Batch, base_url: str) -> dict[str, Any]:
     counts = {outcome: batch.number(outcome) for outcome in OUTCOMES}
-    ended_at = next((batch.time(f"{status}_at") for status in ("completed", "cancelled", "expired", "failed") if batch.time(f"{status}_at")), None)
+    ended_at = next(
+        (
+            batch.time(f"{status}_at")
+            for status in ("completed", "cancelled", "expired", "failed")
+            if batch.time(f"{status}_at")
+        ),
+        None,
+    )
     return {
         "id": batch.id,
         "type": "message_batch",
@@ -59,14 +75,20 @@ async def create(request: web.Request) -> web.Response:
     try:
         parsed = await parse.anthropic_body(gateway, raw)
     except ValueError as exc:
-        raise ApiError(400, f"the body is not a batch ({{requests: [{{custom_id, params}}]}} as JSON): {exc}", param="requests") from None
+        raise ApiError(
+            400, f"the body is not a batch ({{requests: [{{custom_id, params}}]}} as JSON): {exc}", param="requests"
+        ) from None
     if parsed.errors:
         errors = [_named(error) for error in parsed.errors]
         raise ApiError(400, describe(errors, None, more=parsed.more_errors))
     served = await gateway.models.served(fresh=True)
     for model in sorted(parsed.models - served):
         raise ApiError(404, f"the model {model!r} does not exist or no worker serves it", code="model_not_found")
-    fields = {"status": "in_progress", "in_progress_at": repr(time.time()), "expires_at": repr(time.time() + gateway.config.batch_window_seconds)}
+    fields = {
+        "status": "in_progress",
+        "in_progress_at": repr(time.time()),
+        "expires_at": repr(time.time() + gateway.config.batch_window_seconds),
+    }
     batch = await batches.store.create_batch("msgbatch_", "anthropic", owner(request), fields, parsed.items)
     batches.runner.wake()
     return web.json_response(batch_object(batch, _base_url(request)))
@@ -86,9 +108,22 @@ async def retrieve(request: web.Request) -> web.Response:
 
 async def list_batches(request: web.Request) -> web.Response:
     _, batches = gateway_batches(request)
-    found, has_more = await batches.store.batches("anthropic", owner(request), request.query.get("after_id"), request.query.get("before_id"), page_limit(request, 20, 1000))
+    found, has_more = await batches.store.batches(
+        "anthropic",
+        owner(request),
+        request.query.get("after_id"),
+        request.query.get("before_id"),
+        page_limit(request, 20, 1000),
+    )
     data = [batch_object(batch, _base_url(request)) for batch in found]
-    return web.json_response({"data": data, "has_more": has_more, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+    return web.json_response(
+        {
+            "data": data,
+            "has_more": has_more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
 
 
 async def cancel(request: web.Request) -> web.Response:

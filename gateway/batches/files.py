@@ -60,8 +60,15 @@ async def upload(request: web.Request) -> web.Response:
         raise ApiError(400, "purpose: lmq stores files for batches only: send purpose=batch", param="purpose")
     parsed = await parse.openai_file(gateway, data)
     if parsed.errors:
-        raise ApiError(400, f"the file is not a valid batch input: {describe(parsed.errors, more=parsed.more_errors)}", param="file", code="invalid_file")
-    record = await batches.store.create_file("file-", owner(request), {"filename": filename, "purpose": "batch", "lines": len(parsed.items)}, data)
+        raise ApiError(
+            400,
+            f"the file is not a valid batch input: {describe(parsed.errors, more=parsed.more_errors)}",
+            param="file",
+            code="invalid_file",
+        )
+    record = await batches.store.create_file(
+        "file-", owner(request), {"filename": filename, "purpose": "batch", "lines": len(parsed.items)}, data
+    )
     return web.json_response(file_object(record))
 
 
@@ -80,9 +87,23 @@ async def retrieve(request: web.Request) -> web.Response:
 
 async def list_files(request: web.Request) -> web.Response:
     store = batches_of(request).store
-    records, has_more = await store.files(owner(request), request.query.get("after"), page_limit(request, 10_000, 10_000))
-    data = [file_object(record) for record in records if request.query.get("purpose") in (None, record.fields.get("purpose"))]
-    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+    records, has_more = await store.files(
+        owner(request), request.query.get("after"), page_limit(request, 10_000, 10_000)
+    )
+    data = [
+        file_object(record)
+        for record in records
+        if request.query.get("purpose") in (None, record.fields.get("purpose"))
+    ]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+    )
 
 
 async def content(request: web.Request) -> web.StreamResponse:

@@ -14,15 +14,16 @@ This is the one module that follows those handlers' steps; when they change, thi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import protocol
 
 from .. import anthropic, openai, tool_calls
 from ..choices import total_usage
 from ..context import Gateway
-from ..errors import ApiError, WORKER_ERROR_STATUS, anthropic_error_body, openai_error_body
+from ..errors import WORKER_ERROR_STATUS, ApiError, anthropic_error_body, openai_error_body
 from ..generation import Done, Usage, new_request
 from ..openai_shapes import ChatShape, CompletionShape
 from ..tool_calls import ToolCallReader
@@ -60,7 +61,14 @@ def _completion_request(gateway: Gateway, body: dict[str, Any], request_id: str)
     model = required_str(body, "model")
     openai.refuse_unsupported_completion_options(body)
     sampling = openai.parse_sampling(body, gateway.config)
-    return new_request(gateway, request_id, model, sampling, logprobs=openai.parse_completion_logprobs(body), **openai.parse_prompt(body))
+    return new_request(
+        gateway,
+        request_id,
+        model,
+        sampling,
+        logprobs=openai.parse_completion_logprobs(body),
+        **openai.parse_prompt(body),
+    )
 
 
 def _message_request(gateway: Gateway, body: dict[str, Any], request_id: str) -> protocol.Request:
@@ -79,17 +87,23 @@ def _message_request(gateway: Gateway, body: dict[str, Any], request_id: str) ->
 # ---------------------------------------------------------------- answers, as the handlers write them
 
 
-async def _chat_body(body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done) -> dict[str, Any]:
+async def _chat_body(
+    body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done
+) -> dict[str, Any]:
     shape = ChatShape(request_id, model, False, openai.parse_chat_logprobs(body))
     return await openai.complete_chat(_Finished([(text, logprobs, done)]), shape, tool_calls.openai_plan(body))
 
 
-async def _completion_body(body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done) -> dict[str, Any]:
+async def _completion_body(
+    body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done
+) -> dict[str, Any]:
     shape = CompletionShape(request_id, model, False, openai.parse_completion_logprobs(body))
     return shape.complete([(text, logprobs, done.finish_reason)], total_usage([done], 1))
 
 
-async def _message_body(body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done) -> dict[str, Any]:
+async def _message_body(
+    body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done
+) -> dict[str, Any]:
     plan = tool_calls.anthropic_plan(body)
     reader = ToolCallReader(plan, "toolu_")
     content_text = reader.feed(text).text + reader.finish().text
@@ -124,7 +138,9 @@ KINDS = {
 # ---------------------------------------------------------------- the runner's and the handlers' entry points
 
 
-def batch_request(gateway: Gateway, item: dict[str, Any], request_id: str, reply_key: str, deadline: float) -> protocol.Request:
+def batch_request(
+    gateway: Gateway, item: dict[str, Any], request_id: str, reply_key: str, deadline: float
+) -> protocol.Request:
     """The item's protocol request: priority `batch`, its events on a durable reply stream of its own.
     Raises ApiError where the endpoint would refuse the body."""
     body = item["body"]
@@ -150,7 +166,14 @@ async def answer_body(item: dict[str, Any], outcome: dict[str, Any]) -> dict[str
     """A succeeded item's answer, the body the live endpoint would have sent."""
     body = item["body"]
     kind = KINDS[item["url"]]
-    return await kind.render(body, body.get("model", ""), outcome["request_id"], outcome.get("text", ""), outcome.get("logprobs") or [], done_of(outcome))
+    return await kind.render(
+        body,
+        body.get("model", ""),
+        outcome["request_id"],
+        outcome.get("text", ""),
+        outcome.get("logprobs") or [],
+        done_of(outcome),
+    )
 
 
 def error_status(outcome: dict[str, Any]) -> int:
@@ -160,7 +183,9 @@ def error_status(outcome: dict[str, Any]) -> int:
 
 def openai_error(outcome: dict[str, Any]) -> dict[str, Any]:
     error = outcome.get("error") or {}
-    return openai_error_body(ApiError(error_status(outcome), error.get("message", ""), param=error.get("param"), code=error.get("code")))
+    return openai_error_body(
+        ApiError(error_status(outcome), error.get("message", ""), param=error.get("param"), code=error.get("code"))
+    )
 
 
 def anthropic_error(outcome: dict[str, Any]) -> dict[str, Any]:

@@ -18,8 +18,7 @@ from aiohttp import web
 
 from ..errors import ApiError
 from ..validate import read_json_object, required_str
-from . import items
-from . import parse
+from . import items, parse
 from .service import LineError, gateway_batches, owner, page_limit
 from .store import Batch
 
@@ -32,7 +31,18 @@ def _seconds(value: float | None) -> int | None:
 
 
 def batch_object(batch: Batch) -> dict[str, Any]:
-    times = {name: _seconds(batch.time(name)) for name in ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")}
+    times = {
+        name: _seconds(batch.time(name))
+        for name in (
+            "in_progress_at",
+            "finalizing_at",
+            "completed_at",
+            "failed_at",
+            "expired_at",
+            "cancelling_at",
+            "cancelled_at",
+        )
+    }
     errors = batch.json("errors")
     succeeded = batch.number("succeeded")
     prompt, completion = batch.number("prompt_tokens"), batch.number("completion_tokens")
@@ -69,9 +79,15 @@ def _metadata(body: dict[str, Any]) -> dict[str, str] | None:
     if (
         not isinstance(metadata, dict)
         or len(metadata) > MAX_METADATA
-        or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())
+        or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()
+        )
     ):
-        raise ApiError(400, "metadata: at most 16 string keys (64 characters) with string values (512 characters)", param="metadata")
+        raise ApiError(
+            400,
+            "metadata: at most 16 string keys (64 characters) with string values (512 characters)",
+            param="metadata",
+        )
     return metadata
 
 
@@ -92,7 +108,10 @@ async def create(request: web.Request) -> web.Response:
         raise ApiError(400, f"input_file_id: {file_id} was not uploaded with purpose=batch", param="input_file_id")
     parsed = await parse.openai_file(gateway, await batches.store.file_data(file_id), (endpoint,))
     served = await gateway.models.served(fresh=True)
-    errors = parsed.errors + [LineError(0, f"model: no worker serves {model!r}", "body.model", "model_not_found") for model in sorted(parsed.models - served)]
+    errors = parsed.errors + [
+        LineError(0, f"model: no worker serves {model!r}", "body.model", "model_not_found")
+        for model in sorted(parsed.models - served)
+    ]
     now = time.time()
     fields = {
         "endpoint": endpoint,
@@ -104,11 +123,19 @@ async def create(request: web.Request) -> web.Response:
     }
     if errors:
         data = [{"code": e.code, "message": e.message, "param": e.param, "line": e.line or None} for e in errors]
-        batch = await batches.store.create_batch("batch_", "openai", owner(request), fields | {"status": "failed", "failed_at": repr(now), "errors": _json(data)}, [])
+        batch = await batches.store.create_batch(
+            "batch_",
+            "openai",
+            owner(request),
+            fields | {"status": "failed", "failed_at": repr(now), "errors": _json(data)},
+            [],
+        )
         await batches.store.ended(batch.id)
         batch.fields["total"] = str(len(parsed.items))
         return web.json_response(batch_object(batch))
-    batch = await batches.store.create_batch("batch_", "openai", owner(request), fields | {"status": "validating"}, parsed.items)
+    batch = await batches.store.create_batch(
+        "batch_", "openai", owner(request), fields | {"status": "validating"}, parsed.items
+    )
     batches.runner.wake()
     return web.json_response(batch_object(batch))
 
@@ -119,9 +146,19 @@ async def retrieve(request: web.Request) -> web.Response:
 
 async def list_batches(request: web.Request) -> web.Response:
     _, batches = gateway_batches(request)
-    found, has_more = await batches.store.batches("openai", owner(request), request.query.get("after"), None, page_limit(request, 20, 100))
+    found, has_more = await batches.store.batches(
+        "openai", owner(request), request.query.get("after"), None, page_limit(request, 20, 100)
+    )
     data = [batch_object(batch) for batch in found]
-    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+    )
 
 
 async def cancel(request: web.Request) -> web.Response:
@@ -129,7 +166,9 @@ async def cancel(request: web.Request) -> web.Response:
     store = gateway_batches(request)[1].store
     status = await store.cancel(batch.id)
     if status not in ("cancelling", "cancelled"):
-        raise ApiError(409, f"the batch is {status}: only a validating or in-progress batch can be cancelled", code="invalid_state")
+        raise ApiError(
+            409, f"the batch is {status}: only a validating or in-progress batch can be cancelled", code="invalid_state"
+        )
     return web.json_response(batch_object(await store.batch(batch.id) or batch))
 
 

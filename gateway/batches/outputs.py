@@ -44,12 +44,25 @@ async def _pairs(store: BatchStore, batch: Batch) -> AsyncIterator[tuple[int, di
 async def openai_lines(store: BatchStore, batch: Batch) -> AsyncIterator[tuple[bool, bytes]]:
     """(succeeded, JSONL line) of every item."""
     async for index, item, outcome in _pairs(store, batch):
-        line = {"id": f"batch_req_{batch.id.removeprefix('batch_')}_{index}", "custom_id": item["custom_id"], "response": None, "error": None}
+        line = {
+            "id": f"batch_req_{batch.id.removeprefix('batch_')}_{index}",
+            "custom_id": item["custom_id"],
+            "response": None,
+            "error": None,
+        }
         kind = outcome["outcome"]
         if kind == "succeeded":
-            line["response"] = {"status_code": 200, "request_id": outcome["request_id"], "body": await items.answer_body(item, outcome)}
+            line["response"] = {
+                "status_code": 200,
+                "request_id": outcome["request_id"],
+                "body": await items.answer_body(item, outcome),
+            }
         elif kind == "errored":
-            line["response"] = {"status_code": items.error_status(outcome), "request_id": outcome.get("request_id"), "body": items.openai_error(outcome)}
+            line["response"] = {
+                "status_code": items.error_status(outcome),
+                "request_id": outcome.get("request_id"),
+                "body": items.openai_error(outcome),
+            }
         else:
             code, message = NEVER_RAN[kind]
             line["error"] = {"code": code, "message": message}

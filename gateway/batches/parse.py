@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ..context import Gateway
 from ..validate import MAX_JSON_DEPTH, nests_deeper
@@ -61,7 +62,9 @@ class _Limits:
         self.max_request_bytes = gateway.config.max_body_bytes
 
 
-async def openai_file(gateway: Gateway, data: bytes | bytearray, urls: tuple[str, ...] = items.OPENAI_ENDPOINTS) -> Parsed:
+async def openai_file(
+    gateway: Gateway, data: bytes | bytearray, urls: tuple[str, ...] = items.OPENAI_ENDPOINTS
+) -> Parsed:
     """The items of an OpenAI batch input (JSONL of {custom_id, method, url, body}), parsed in a thread.
     A line whose url is a valid endpoint but not one of `urls` is an `invalid_url` error."""
     return await asyncio.to_thread(_openai_file, _Limits(gateway), data, urls)
@@ -94,7 +97,12 @@ def _openai_file(limits: _Limits, data: bytes | bytearray, urls: tuple[str, ...]
             continue
         count += 1
         if count > limits.max_items:
-            parsed.errors = [LineError(0, f"the batch has more than {limits.max_items} requests; a batch may have at most {limits.max_items}")]
+            parsed.errors = [
+                LineError(
+                    0,
+                    f"the batch has more than {limits.max_items} requests; a batch may have at most {limits.max_items}",
+                )
+            ]
             parsed.more_errors = False
             return parsed
         problem = _openai_line(limits, number, line, seen, urls, parsed)
@@ -105,9 +113,15 @@ def _openai_file(limits: _Limits, data: bytes | bytearray, urls: tuple[str, ...]
     return parsed
 
 
-def _openai_line(limits: _Limits, number: int, line: bytes | bytearray, seen: set[str], urls: tuple[str, ...], parsed: Parsed) -> LineError | None:
+def _openai_line(
+    limits: _Limits, number: int, line: bytes | bytearray, seen: set[str], urls: tuple[str, ...], parsed: Parsed
+) -> LineError | None:
     if len(line) > limits.max_request_bytes:
-        return LineError(number, f"the request is larger than the {limits.max_request_bytes} bytes a request may have", code="request_too_large")
+        return LineError(
+            number,
+            f"the request is larger than the {limits.max_request_bytes} bytes a request may have",
+            code="request_too_large",
+        )
     try:
         text = line.decode("utf-8")
         request = json.loads(text)
@@ -132,12 +146,19 @@ def _openai_line(limits: _Limits, number: int, line: bytes | bytearray, seen: se
     return None
 
 
-def _item_format(where: int, custom_id: Any, url: Any, body: Any, seen: set[str], urls: tuple[str, ...]) -> LineError | None:
+def _item_format(
+    where: int, custom_id: Any, url: Any, body: Any, seen: set[str], urls: tuple[str, ...]
+) -> LineError | None:
     """What is wrong with one item's format (custom_id, url, a body naming a model), or None (its custom_id taken)."""
     if not isinstance(custom_id, str) or not custom_id:
         return LineError(where, "custom_id: must be a non-empty string", "custom_id")
     if custom_id in seen:
-        return LineError(where, f"custom_id: {custom_id!r} is used twice; each request needs its own", "custom_id", "duplicate_custom_id")
+        return LineError(
+            where,
+            f"custom_id: {custom_id!r} is used twice; each request needs its own",
+            "custom_id",
+            "duplicate_custom_id",
+        )
     if url not in urls:
         return LineError(where, f"url: must be one of {', '.join(urls)}", "url")
     if not isinstance(body, dict):
@@ -161,7 +182,14 @@ def _anthropic_body(limits: _Limits, raw: bytes | bytearray) -> Parsed:
         for i, entry in _requests(text):
             count += 1
             if count > limits.max_items:
-                return Parsed(errors=[LineError(0, f"the batch has more than {limits.max_items} requests; a batch may have at most {limits.max_items}")])
+                return Parsed(
+                    errors=[
+                        LineError(
+                            0,
+                            f"the batch has more than {limits.max_items} requests; a batch may have at most {limits.max_items}",
+                        )
+                    ]
+                )
             problem = _anthropic_request(i, entry, seen, parsed)
             if problem is not None and not parsed.add_error(problem):
                 return parsed
@@ -183,7 +211,9 @@ def _anthropic_request(i: int, entry: Any, seen: set[str], parsed: Parsed) -> Li
     problem = _item_format(i, custom_id, items.MESSAGES, params, seen, (items.MESSAGES,))
     if problem is not None:
         return problem
-    parsed.items.append(json.dumps({"custom_id": custom_id, "url": items.MESSAGES, "body": params}, separators=(",", ":")))
+    parsed.items.append(
+        json.dumps({"custom_id": custom_id, "url": items.MESSAGES, "body": params}, separators=(",", ":"))
+    )
     parsed.models.add(params["model"])
     return None
 

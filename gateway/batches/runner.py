@@ -214,23 +214,45 @@ class Driver:
         if not limits:
             return True
         in_flight = sum(self.reserved.values())
-        if limits.tokens and in_flight and self._tokens_left is not None and in_flight + _reserve(item) > self._tokens_left:
+        if (
+            limits.tokens
+            and in_flight
+            and self._tokens_left is not None
+            and in_flight + _reserve(item) > self._tokens_left
+        ):
             return False
         assert self.limiter is not None
         window = await self.limiter.admit_owner(batch.owner, limits)
         self._tokens_left = limits.tokens - window.tokens if limits.tokens else None
         return not window.refused
 
-    async def _start(self, batch: Batch, index: int, item: dict[str, Any], attempt: int, retries: int | None = None) -> bool:
+    async def _start(
+        self, batch: Batch, index: int, item: dict[str, Any], attempt: int, retries: int | None = None
+    ) -> bool:
         request_id = f"{self.batch_id}.{index}.{attempt}"
         reply_key = self.store.reply_stream(self.batch_id, index, attempt)
         try:
-            request = items.batch_request(self.gateway, item, request_id, reply_key, batch.time("expires_at") or time.time())
+            request = items.batch_request(
+                self.gateway, item, request_id, reply_key, batch.time("expires_at") or time.time()
+            )
         except Exception as exc:  # a body the endpoint refuses (checked here, not at upload: one bad item fails alone)
-            error = exc if isinstance(exc, ApiError) else ApiError(400, f"the request could not be read: {type(exc).__name__}")
+            error = (
+                exc
+                if isinstance(exc, ApiError)
+                else ApiError(400, f"the request could not be read: {type(exc).__name__}")
+            )
             if not isinstance(exc, ApiError):
                 log.warning("batch %s: item %d: %r", self.batch_id, index, exc)
-            outcome = {"outcome": "errored", "request_id": request_id, "error": {"status": error.status, "code": error.code or "invalid_request", "message": error.message, "param": error.param}}
+            outcome = {
+                "outcome": "errored",
+                "request_id": request_id,
+                "error": {
+                    "status": error.status,
+                    "code": error.code or "invalid_request",
+                    "message": error.message,
+                    "param": error.param,
+                },
+            }
             if retries is not None:
                 return await self.store.record(self.batch_id, index, outcome, retries)
             await self.store.record(self.batch_id, index, outcome, None)
@@ -243,7 +265,12 @@ class Driver:
 
     def _item_run(self, index: int, run: Run) -> ItemRun:
         return ItemRun(
-            index, run.attempt, run.stream, run.entry_id, self.store.reply_stream(self.batch_id, index, run.attempt), f"{self.batch_id}.{index}.{run.attempt}"
+            index,
+            run.attempt,
+            run.stream,
+            run.entry_id,
+            self.store.reply_stream(self.batch_id, index, run.attempt),
+            f"{self.batch_id}.{index}.{run.attempt}",
         )
 
     # ------------------------------------------------------------ reading the runs
@@ -253,7 +280,9 @@ class Driver:
             await asyncio.sleep(READ_BLOCK_MS / 1000)
             return
         by_key = {run.reply_key: run for run in self.runs.values()}
-        reply = await self.store.redis.xread({key: run.cursor for key, run in by_key.items()}, count=256, block=READ_BLOCK_MS)
+        reply = await self.store.redis.xread(
+            {key: run.cursor for key, run in by_key.items()}, count=256, block=READ_BLOCK_MS
+        )
         for key, entries in reply or []:
             run = by_key[key.decode() if isinstance(key, bytes) else key]
             await self._fold(batch, run, entries, ending)
@@ -282,7 +311,9 @@ class Driver:
             if not vanished:
                 continue
             # The step script writes a run's end and removes its entry in one step: read what it wrote.
-            entries = await self.store.redis.xrange(run.reply_key, f"({run.cursor}" if run.cursor != "0-0" else "-", "+")
+            entries = await self.store.redis.xrange(
+                run.reply_key, f"({run.cursor}" if run.cursor != "0-0" else "-", "+"
+            )
             await self._fold(batch, run, entries, ending)
             if run.index in self.runs and self.runs[run.index] is run:
                 await self._settle(batch, run, Ended("lost"), ending)
@@ -299,7 +330,9 @@ class Driver:
             await self.store.redis.delete(run.reply_key)
         if recorded == 2 and self.limiter is not None:
             usage = ended.event.get("usage") or {}
-            await self.limiter.charge_owner(batch.owner, int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0))
+            await self.limiter.charge_owner(
+                batch.owner, int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+            )
         self.runs.pop(run.index, None)
         self.reserved.pop(run.index, None)
 
@@ -309,14 +342,25 @@ class Driver:
         base: dict[str, Any] = {"request_id": run.request_id}
         if ended.how == "done" and event.get("finish_reason") != "cancelled":
             finished = {key: event.get(key) for key in ("finish_reason", "stop_sequence")}
-            finished["extra"] = {key: event[key] for key in ("prompt_ids", "pieces", "max_context", "text") if key in event}
-            return base | {"outcome": "succeeded", "text": run.text, "logprobs": run.logprobs, "done": finished, "usage": event.get("usage") or {}}
+            finished["extra"] = {
+                key: event[key] for key in ("prompt_ids", "pieces", "max_context", "text") if key in event
+            }
+            return base | {
+                "outcome": "succeeded",
+                "text": run.text,
+                "logprobs": run.logprobs,
+                "done": finished,
+                "usage": event.get("usage") or {},
+            }
         if ended.how == "error":
             code = str(event.get("code"))
             if code == "timeout" and ending == "expired":
                 return base | {"outcome": "expired"}
             error = ApiError.from_worker(code, str(event.get("message")))
-            return base | {"outcome": "errored", "error": {"status": error.status, "code": code, "message": error.message}}
+            return base | {
+                "outcome": "errored",
+                "error": {"status": error.status, "code": code, "message": error.message},
+            }
         if ending:  # cancelled, or lost, while the batch ends: it will not run again
             return base | {"outcome": ending}
         if run.attempt >= MAX_ATTEMPTS:
@@ -345,7 +389,9 @@ class Driver:
     async def _skip_unstarted(self, batch: Batch, ending: str) -> None:
         start = batch.number("next")
         if start < batch.total:
-            await self.store.record_many(self.batch_id, [(index, {"outcome": ending}) for index in range(start, batch.total)])
+            await self.store.record_many(
+                self.batch_id, [(index, {"outcome": ending}) for index in range(start, batch.total)]
+            )
             await self.store.update(self.batch_id, next=batch.total)
             batch.fields["next"] = str(batch.total)
 

@@ -5,7 +5,6 @@ page limits, and the errors of an input's lines."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
@@ -65,7 +64,10 @@ class LineError:
 def describe(errors: list[LineError], what: str | None = "line", more: bool = False) -> str:
     """The errors in one message: `line 3: messages: ...; line 7: ...` (`what` None: the messages alone;
     `more`: reading stopped at these, there may be others)."""
-    shown = "; ".join(f"{what} {error.line}: {error.message}" if error.line and what else error.message for error in errors[:MAX_REPORTED_ERRORS])
+    shown = "; ".join(
+        f"{what} {error.line}: {error.message}" if error.line and what else error.message
+        for error in errors[:MAX_REPORTED_ERRORS]
+    )
     if more:
         return f"{len(errors)} or more invalid (reading stopped at the first {len(errors)}): {shown}"
     return f"{len(errors)} invalid: {shown}" if len(errors) > 1 else shown

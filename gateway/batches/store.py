@@ -177,7 +177,7 @@ class Batch:
     fields: dict[str, str]
 
     @classmethod
-    def from_hash(cls, batch_id: str, raw: dict) -> "Batch":
+    def from_hash(cls, batch_id: str, raw: dict) -> Batch:
         return cls(batch_id, {_text(k): _text(v) for k, v in raw.items()})
 
     @property
@@ -256,7 +256,12 @@ class BatchStore:
         as it was copied into the socket's buffer), then the metadata that makes the file visible."""
         file_id = new_id(prefix)
         created = int(time.time())
-        record = {**{k: str(v) for k, v in fields.items()}, "owner": owner, "bytes": str(len(data)), "created_at": str(created)}
+        record = {
+            **{k: str(v) for k, v in fields.items()},
+            "owner": owner,
+            "bytes": str(len(data)),
+            "created_at": str(created),
+        }
         data_key, view = self.home.file_key(file_id, "data"), memoryview(data)
         await self.redis.set(data_key, b"", ex=RETENTION_S)
         for start in range(0, len(view), 1 << 20):
@@ -268,7 +273,9 @@ class BatchStore:
         await pipe.execute()
         return FileRecord(file_id, record)
 
-    async def write_generated_file(self, file_id: str, owner: str, fields: dict[str, Any], lines: AsyncIterator[bytes]) -> FileRecord:
+    async def write_generated_file(
+        self, file_id: str, owner: str, fields: dict[str, Any], lines: AsyncIterator[bytes]
+    ) -> FileRecord:
         """A file the gateway writes (a batch's output) under a name it chose, appended about a MiB at a
         time; written whole again if it existed (a gateway that took over a batch mid-way)."""
         data_key = self.home.file_key(file_id, "data")
@@ -280,7 +287,12 @@ class BatchStore:
                 size += await self._append(data_key, buffer)
         size += await self._append(data_key, buffer)
         created = int(time.time())
-        record = {**{k: str(v) for k, v in fields.items()}, "owner": owner, "bytes": str(size), "created_at": str(created)}
+        record = {
+            **{k: str(v) for k, v in fields.items()},
+            "owner": owner,
+            "bytes": str(size),
+            "created_at": str(created),
+        }
         pipe = await transaction(self.redis)
         pipe.hset(self.home.file_key(file_id), mapping=record)
         pipe.expire(self.home.file_key(file_id), RETENTION_S)
@@ -340,7 +352,14 @@ class BatchStore:
         for start in range(0, len(items), CHUNK):
             await self.redis.rpush(self.home.batch_key(batch_id, "items"), *items[start : start + CHUNK])
         now = time.time()
-        record = {**{k: str(v) for k, v in fields.items() if v is not None}, "api": api, "owner": owner, "created_at": repr(now), "total": str(len(items)), "next": "0"}
+        record = {
+            **{k: str(v) for k, v in fields.items() if v is not None},
+            "api": api,
+            "owner": owner,
+            "created_at": repr(now),
+            "total": str(len(items)),
+            "next": "0",
+        }
         pipe = await transaction(self.redis)
         pipe.hset(self.home.batch_key(batch_id), mapping=record)
         pipe.zadd(self.batch_index(api, owner), {batch_id: now})
@@ -360,7 +379,9 @@ class BatchStore:
         batch = await self.batch(batch_id)
         return batch if batch is not None and batch.api == api and batch.owner == owner else None
 
-    async def batches(self, api: str, owner: str, after: str | None, before: str | None, limit: int) -> tuple[list[Batch], bool]:
+    async def batches(
+        self, api: str, owner: str, after: str | None, before: str | None, limit: int
+    ) -> tuple[list[Batch], bool]:
         index = self.batch_index(api, owner)
         ids, has_more = await self._page(index, after, before, limit)
         found = []
@@ -402,7 +423,10 @@ class BatchStore:
         return sorted(_text(member) for member in await self.redis.smembers(self.home.active_batches))
 
     async def items(self, batch_id: str, start: int, count: int) -> list[dict[str, Any]]:
-        return [json.loads(raw) for raw in await self.redis.lrange(self.home.batch_key(batch_id, "items"), start, start + count - 1)]
+        return [
+            json.loads(raw)
+            for raw in await self.redis.lrange(self.home.batch_key(batch_id, "items"), start, start + count - 1)
+        ]
 
     async def results(self, batch_id: str, total: int) -> AsyncIterator[tuple[int, dict[str, Any] | None]]:
         """(index, outcome or None) of every item, in input order."""
@@ -422,13 +446,17 @@ class BatchStore:
             runs[int(index)] = Run(int(attempt), stream, entry_id)
         return runs
 
-    async def enqueue(self, gateway_id: str, batch_id: str, index: int, attempt: int, request: protocol.Request, retries: int | None) -> Run | None:
+    async def enqueue(
+        self, gateway_id: str, batch_id: str, index: int, attempt: int, request: protocol.Request, retries: int | None
+    ) -> Run | None:
         """XADD the item's request, recorded as in flight in the same script; None when refused
         (the lease or the item moved on: another gateway drives the batch now). `retries`: the
         attempt this one replaces, None for the item's first."""
         stream = self.home.request_stream(request.model, request.priority)
         await self.groups.ensure(stream)
-        entry_id = await self._enqueue_script(gateway_id, batch_id, index, stream, [attempt, request.encode(), "" if retries is None else str(retries)])
+        entry_id = await self._enqueue_script(
+            gateway_id, batch_id, index, stream, [attempt, request.encode(), "" if retries is None else str(retries)]
+        )
         return Run(attempt, stream, _text(entry_id)) if entry_id else None
 
     async def pass_over(self, gateway_id: str, batch_id: str, index: int) -> bool:
@@ -456,11 +484,19 @@ class BatchStore:
         pipeline refuses scripts, so they are not pipelined)."""
         keys = self._record_keys(batch_id)
         for start in range(0, len(outcomes), CHUNK):
-            args = [arg for index, outcome in outcomes[start : start + CHUNK] for arg in (index, json.dumps(outcome), outcome["outcome"])]
+            args = [
+                arg
+                for index, outcome in outcomes[start : start + CHUNK]
+                for arg in (index, json.dumps(outcome), outcome["outcome"])
+            ]
             await self._record_never_ran(keys=keys, args=args)
 
     def _record_keys(self, batch_id: str) -> list[str]:
-        return [self.home.batch_key(batch_id), self.home.batch_key(batch_id, "inflight"), self.home.batch_key(batch_id, "results")]
+        return [
+            self.home.batch_key(batch_id),
+            self.home.batch_key(batch_id, "inflight"),
+            self.home.batch_key(batch_id, "results"),
+        ]
 
     def reply_stream(self, batch_id: str, index: int, attempt: int) -> str:
         """Where the run `attempt` of item `index` gets its events (the worker's step script writes it)."""
@@ -476,7 +512,9 @@ class BatchStore:
         """For each run: its entry is neither in its stream nor pending (see GONE_LUA)."""
         if not runs:
             return []
-        flags = await self._gone(keys=[run.stream for run in runs], args=[protocol.REQUEST_GROUP, *(run.entry_id for run in runs)])
+        flags = await self._gone(
+            keys=[run.stream for run in runs], args=[protocol.REQUEST_GROUP, *(run.entry_id for run in runs)]
+        )
         return [bool(int(flag)) for flag in flags]
 
     # ------------------------------------------------------------ leases

@@ -115,7 +115,9 @@ class EagerGraphs:
 class StaticInputs:
     """One flat int64 buffer on the device (and its host twin): the graphs' inputs, as views."""
 
-    def __init__(self, max_batch: int, width: int, device: torch.device, host_buffer: Callable[[int], torch.Tensor]) -> None:
+    def __init__(
+        self, max_batch: int, width: int, device: torch.device, host_buffer: Callable[[int], torch.Tensor]
+    ) -> None:
         self.max_batch, self.width = max_batch, width
         size = 4 * max_batch + max_batch * width
         self.device_flat = torch.zeros(size, dtype=torch.int64, device=device)
@@ -225,7 +227,9 @@ class GraphedStep:
                 self._captured_on[bucket] = batch
                 self.graphs[bucket] = self.backend.capture(lambda batch=batch: self.model(batch, self.kv))
         self.backend.synchronize()
-        log.info("captured decode graphs for batch sizes %s (contexts up to %d tokens)", self.buckets, self.max_graph_context)
+        log.info(
+            "captured decode graphs for batch sizes %s (contexts up to %d tokens)", self.buckets, self.max_graph_context
+        )
         return self
 
     def __call__(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:

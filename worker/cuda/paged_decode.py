@@ -94,7 +94,9 @@ def choose_splits(sequences: int, kv_heads: int, max_context: int, device: torch
 # ------------------------------------------------------------------ torch reference (CPU, and the tests' truth)
 
 
-def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+def store_kv_reference(
+    k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor
+) -> None:
     kv_heads, head_dim = k.shape[1], k.shape[2]
     keep = slots >= 0
     k_pool.view(-1, kv_heads, head_dim).index_copy_(0, slots[keep], k[keep].to(k_pool.dtype))

@@ -80,7 +80,9 @@ class WeightBuilder:
     def _tiered(self, small: torch.nn.Module, dense_weight, bias: torch.Tensor | None) -> torch.nn.Module:
         if self.dense_from_rows is None:
             return small
-        dense = PackedLinear(dense_weight().to(device=self.device, dtype=self.dtype), None if bias is None else bias.to(self.dtype))
+        dense = PackedLinear(
+            dense_weight().to(device=self.device, dtype=self.dtype), None if bias is None else bias.to(self.dtype)
+        )
         return TieredLinear(small, dense, self.dense_from_rows)
 
     def _bias(self, names: list[str] | None) -> torch.Tensor | None:

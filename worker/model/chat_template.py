@@ -28,7 +28,9 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, indent: int | None = None, ensure_ascii: bool = False, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
 
@@ -69,7 +71,9 @@ class _Namespace(jinja2.utils.Namespace):
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlock]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -96,7 +100,9 @@ class ChatTemplate:
     ) -> str:
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, "documents": None, **extra}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
+            )
         except ChatTemplateError:
             raise
         except TemplateError as error:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
 HF_ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
 
 
@@ -44,7 +43,9 @@ class RopeScaling:
         if rope_type == "su":  # Phi-3's name for longrope
             rope_type = "longrope"
         if rope_type not in HF_ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(HF_ROPE_TYPES)})")
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(HF_ROPE_TYPES)})"
+            )
         original = int(raw.get("original_max_position_embeddings") or max_position)
         factor = raw.get("factor")
         if factor is None and original:

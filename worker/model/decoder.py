@@ -11,7 +11,7 @@ layer here has the same call signature as its DecoderLayer, so both kinds of lay
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +81,9 @@ class Attention(torch.nn.Module):
 class GatedMLP(torch.nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one linear."""
 
-    def __init__(self, gate_up: torch.nn.Module, down: torch.nn.Module, intermediate_size: int, act: str = "silu") -> None:
+    def __init__(
+        self, gate_up: torch.nn.Module, down: torch.nn.Module, intermediate_size: int, act: str = "silu"
+    ) -> None:
         super().__init__()
         self.gate_up, self.down, self.intermediate_size = gate_up, down, intermediate_size
         self.act = activation(act)

@@ -44,7 +44,11 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, scale, -offset + 8 * scale
 
 
-_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: (18, _q4_0), GGMLQuantizationType.Q4_1: (20, _q4_1), GGMLQuantizationType.Q4_K: (144, _q4_k)}
+_BLOCK_BYTES = {
+    GGMLQuantizationType.Q4_0: (18, _q4_0),
+    GGMLQuantizationType.Q4_1: (20, _q4_1),
+    GGMLQuantizationType.Q4_K: (144, _q4_k),
+}
 
 
 def gguf_int4_blocks(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, columns: int) -> Int4Blocks | None:

@@ -24,9 +24,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp token types
 SPACE = "\u2581"  # "▁", SentencePiece's visible space
 
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -50,7 +48,9 @@ def _gpt2() -> tuple[None, pre_tokenizers.PreTokenizer]:
 
 
 def _digits() -> tuple[None, pre_tokenizers.PreTokenizer]:
-    return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return None, pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
 
 
 def _llama3() -> tuple[None, pre_tokenizers.PreTokenizer]:
@@ -119,7 +119,11 @@ def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[
 
 def sentencepiece_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
     """The pairs that form each normal piece, best-scored piece first (SentencePiece merges by piece score)."""
-    normal = {token: (score, index) for index, (token, score, kind) in enumerate(zip(tokens, scores, token_types)) if kind == NORMAL}
+    normal = {
+        token: (score, index)
+        for index, (token, score, kind) in enumerate(zip(tokens, scores, token_types))
+        if kind == NORMAL
+    }
     ranked = []
     for token, (score, index) in normal.items():
         for cut in range(1, len(token)):
@@ -130,7 +134,9 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], token_types: li
     return [(left, right) for _, _, left, right in ranked]
 
 
-def build_sentencepiece_tokenizer(tokens: list[str], scores: list[float], token_types: list[int], add_space_prefix: bool) -> Tokenizer:
+def build_sentencepiece_tokenizer(
+    tokens: list[str], scores: list[float], token_types: list[int], add_space_prefix: bool
+) -> Tokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
     unknown = next((tokens[i] for i, kind in enumerate(token_types) if kind == UNKNOWN), None)
     model = models.BPE(
@@ -155,11 +161,15 @@ def build_gguf_tokenizer(get: Any) -> Tokenizer:
     tokens = get("tokenizer.ggml.tokens")
     token_types = get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if kind == "gpt2":
-        tokenizer = build_bpe_tokenizer(tokens, get("tokenizer.ggml.merges", []), token_types, get("tokenizer.ggml.pre", "gpt2"))
+        tokenizer = build_bpe_tokenizer(
+            tokens, get("tokenizer.ggml.merges", []), token_types, get("tokenizer.ggml.pre", "gpt2")
+        )
         add_bos_default = False
     elif kind == "llama":
         scores = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        tokenizer = build_sentencepiece_tokenizer(tokens, scores, token_types, bool(get("tokenizer.ggml.add_space_prefix", True)))
+        tokenizer = build_sentencepiece_tokenizer(
+            tokens, scores, token_types, bool(get("tokenizer.ggml.add_space_prefix", True))
+        )
         add_bos_default = True
     else:
         raise UnsupportedTokenizer(

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -22,7 +23,11 @@ from worker.model.weights import TensorSource, WeightMap
 
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
 # Language-model prefixes of multimodal checkpoints (transformers 4 and 5 layouts) -> text-only names
-TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
+TEXT_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
 NOT_TEXT_MODEL = ("vision_tower", "multi_modal_projector", "vision_model", "audio_tower")
 
 
@@ -61,7 +66,9 @@ def _weights(directory: pathlib.Path) -> WeightMap:
                     continue
                 tensor = handle.get_slice(name)
                 if tensor.get_dtype() not in FLOAT_DTYPES:
-                    raise UnsupportedModel(f"{path.name}: tensor {name} has dtype {tensor.get_dtype()}, which lmq cannot load")
+                    raise UnsupportedModel(
+                        f"{path.name}: tensor {name} has dtype {tensor.get_dtype()}, which lmq cannot load"
+                    )
                 weights[text_model_name(name)] = TensorSource(shape=tuple(tensor.get_shape()), load=_loader(path, name))
     return weights
 
@@ -104,7 +111,9 @@ def _config(directory: pathlib.Path) -> dict[str, Any]:
     quantization = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "unknown")
-        raise UnsupportedModel(f"{directory.name}: quantized checkpoints ({method}) are not supported; use the float weights or a GGUF")
+        raise UnsupportedModel(
+            f"{directory.name}: quantized checkpoints ({method}) are not supported; use the float weights or a GGUF"
+        )
     return raw
 
 
@@ -113,7 +122,9 @@ def read_hf_checkpoint(directory: pathlib.Path) -> Checkpoint:
     family = family_for_hf(raw)
     config = family.config_from_hf(raw)
     if not (directory / "tokenizer.json").exists():
-        raise UnsupportedModel(f"{directory}: no tokenizer.json (a SentencePiece tokenizer.model alone is not supported)")
+        raise UnsupportedModel(
+            f"{directory}: no tokenizer.json (a SentencePiece tokenizer.model alone is not supported)"
+        )
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tokenizer_config = _read_json(directory / "tokenizer_config.json")
     return Checkpoint(

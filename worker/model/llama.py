@@ -53,7 +53,9 @@ class DecoderLayer(torch.nn.Module):
         tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qk, v = self.qkv(self.input_norm(hidden)).split((q_size + kv_size, kv_size), dim=-1)
-        qk = apply_rotary(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # one pass for q and k
+        qk = apply_rotary(
+            qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
+        )  # one pass for q and k
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         attention = paged_attention(q, k, v, k_pool, v_pool, slots, plan)

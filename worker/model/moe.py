@@ -12,7 +12,9 @@ import torch
 
 
 class SparseMoE(torch.nn.Module):
-    def __init__(self, router: torch.nn.Module, experts: list[torch.nn.Module], top_k: int, normalize_top_k: bool) -> None:
+    def __init__(
+        self, router: torch.nn.Module, experts: list[torch.nn.Module], top_k: int, normalize_top_k: bool
+    ) -> None:
         """router: hidden -> one logit per expert; normalize_top_k: the chosen weights sum to 1 (Mixtral, Qwen3-MoE)."""
         super().__init__()
         self.router = router

@@ -76,7 +76,9 @@ def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """
     q = blocks.q.to(torch.int32)
     n, k = q.shape
-    pairs = q.reshape(n // BLOCK_N, BLOCK_N, k // INT4_GROUP, 4, 4, 2).permute(0, 2, 3, 4, 1, 5)  # [N/16, G, j, s, row, e]
+    pairs = q.reshape(n // BLOCK_N, BLOCK_N, k // INT4_GROUP, 4, 4, 2).permute(
+        0, 2, 3, 4, 1, 5
+    )  # [N/16, G, j, s, row, e]
     words = sum(pairs[:, :, :, s] << (4 * s) for s in range(4))
     nibbles = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16).contiguous()
     mins = blocks.zero - 8 * blocks.scale
@@ -105,7 +107,12 @@ def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 class NativeLlamaSteps:
     def __init__(
-        self, library: ctypes.CDLL, model: torch.nn.Module, checkpoint: Checkpoint, max_rows: int | None = None, amx_from_rows: int = 0
+        self,
+        library: ctypes.CDLL,
+        model: torch.nn.Module,
+        checkpoint: Checkpoint,
+        max_rows: int | None = None,
+        amx_from_rows: int = 0,
     ) -> None:
         config = model.config
         self.max_rows = max_rows
@@ -130,7 +137,9 @@ class NativeLlamaSteps:
         library.lmq_step.restype = ctypes.c_int
         if library.lmq_step_phases() != len(PHASES):
             raise RuntimeError("the native library and native_llama.py disagree on the step's phases")
-        self.phase_seconds: torch.Tensor | None = None  # float64 [len(PHASES)]: set it to have steps add their phases' times
+        self.phase_seconds: torch.Tensor | None = (
+            None  # float64 [len(PHASES)]: set it to have steps add their phases' times
+        )
 
     def _pointer(self, tensor: torch.Tensor) -> int:
         self._keep.append(tensor)
@@ -166,7 +175,9 @@ class NativeLlamaSteps:
         if not (k.is_contiguous() and v.is_contiguous()):
             raise ValueError("the native step needs a contiguous KV pool")
         rows = batch.input_ids.numel()
-        ids, positions, slots = (t.to(torch.int64).contiguous() for t in (batch.input_ids, batch.positions, batch.slots))
+        ids, positions, slots = (
+            t.to(torch.int64).contiguous() for t in (batch.input_ids, batch.positions, batch.slots)
+        )
         contexts = positions + 1
         sequence_of_row = torch.repeat_interleave(torch.arange(len(batch.query_lens)), torch.tensor(batch.query_lens))
         page_tables = batch.page_tables.to(torch.int64)[sequence_of_row].contiguous()
@@ -190,7 +201,9 @@ def amx_usable(library: ctypes.CDLL) -> bool:
     return {"amx_tile", "amx_bf16"} <= build.cpu_flags() and library.lmq_amx_enable() == 1
 
 
-def attach_native_steps(model: torch.nn.Module, checkpoint: Checkpoint, max_rows: int | None = None, invariant: bool = False) -> bool:
+def attach_native_steps(
+    model: torch.nn.Module, checkpoint: Checkpoint, max_rows: int | None = None, invariant: bool = False
+) -> bool:
     """Give a plain LlamaModel on the CPU its native steps; False (and the model unchanged) where they cannot run.
 
     invariant: every step native and on VNNI, whatever its size, so that a sequence's tokens do not depend

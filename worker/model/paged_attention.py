@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from worker.batch import StepBatch
 from worker.cuda.paged_decode import PagedDecode, PagedDecodeBatch
 
-MIN_SHARED_PAGES = 4  # below this many shared pages (64 tokens at 16 a page), one padded gather is cheaper than two calls
+MIN_SHARED_PAGES = (
+    4  # below this many shared pages (64 tokens at 16 a page), one padded gather is cheaper than two calls
+)
 
 
 @dataclass
@@ -57,7 +59,9 @@ class DecodePlan:
         key = (dtype, first_page)
         if key not in self._additive:
             visible = self.mask[..., first_page * page_size :]
-            self._additive[key] = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+            self._additive[key] = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+                ~visible, float("-inf")
+            )
         return self._additive[key]
 
 
@@ -78,9 +82,11 @@ def _plan_decode(
     if window:
         first_page = (contexts - window).clamp(min=0) // page_size
         count = int(((contexts - 1) // page_size - first_page).max()) + 1
-        columns = (first_page[:, None] + torch.arange(count, device=device)[None, :]).clamp(max=page_tables.shape[1] - 1)
+        columns = (first_page[:, None] + torch.arange(count, device=device)[None, :]).clamp(
+            max=page_tables.shape[1] - 1
+        )
         pages = page_tables.gather(1, columns)
-        positions = (first_page[:, None] * page_size + torch.arange(count * page_size, device=device)[None, :])
+        positions = first_page[:, None] * page_size + torch.arange(count * page_size, device=device)[None, :]
         visible = (positions < contexts[:, None]) & (positions >= contexts[:, None] - window)
         shared = 0
     else:
@@ -102,7 +108,9 @@ def _shared_pages(pages: torch.Tensor, shortest_context: int, page_size: int) ->
     return shared if shared >= MIN_SHARED_PAGES else 0
 
 
-def _plan_prefill(batch: StepBatch, seq: int, start: int, page_size: int, device: torch.device, window: int) -> PrefillPlan:
+def _plan_prefill(
+    batch: StepBatch, seq: int, start: int, page_size: int, device: torch.device, window: int
+) -> PrefillPlan:
     query_len, context = batch.query_lens[seq], batch.context_lens[seq]
     end = start + query_len
     if query_len == context and (not window or context <= window):
@@ -114,7 +122,9 @@ def _plan_prefill(batch: StepBatch, seq: int, start: int, page_size: int, device
     mask = key_pos <= query_pos
     if window:
         mask &= key_pos > query_pos - window
-    return PrefillPlan(start=start, end=end, pages=pages, offset=first_key % page_size, length=context - first_key, mask=mask)
+    return PrefillPlan(
+        start=start, end=end, pages=pages, offset=first_key % page_size, length=context - first_key, mask=mask
+    )
 
 
 def plan_attention(batch: StepBatch, page_size: int, device: torch.device, window: int = 0) -> AttentionPlan:
@@ -234,7 +244,9 @@ def _flash(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU flash attention with its log-sum-exp [B, H, q] (float32); the public SDPA does not return it."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(queries, keys, values, attn_mask=mask, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        queries, keys, values, attn_mask=mask, scale=scale
+    )
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -245,7 +257,11 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 
 
 def _attend_prefill(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """queries [q, heads, hd] against keys/values [1, kv_heads, length, hd]."""
     queries = queries.transpose(0, 1)[None]  # [1, heads, q, head_dim]
@@ -288,7 +304,9 @@ def _softcapped_paged_attention(
         queries = q if index is None else q[index]
         keys, values = decode_keys_values(k_pool, v_pool, plan.decode.pages, q.dtype)  # [D, kv_heads, L, head_dim]
         grouped = queries.reshape(-1, kv_heads, group, head_dim)
-        attended = _softcapped_attention(grouped, keys, values, plan.decode.mask, scale, softcap).reshape(-1, heads, head_dim)
+        attended = _softcapped_attention(grouped, keys, values, plan.decode.mask, scale, softcap).reshape(
+            -1, heads, head_dim
+        )
         if index is None:
             out[:] = attended
         else:
@@ -296,13 +314,17 @@ def _softcapped_paged_attention(
     for prefill in plan.prefills:
         chunk = slice(prefill.start, prefill.end)
         queries = q[chunk]
-        keys, values = prefill_keys_values(k[chunk], v[chunk], k_pool, v_pool, prefill, q.dtype)  # [1, kv_heads, length, hd]
+        keys, values = prefill_keys_values(
+            k[chunk], v[chunk], k_pool, v_pool, prefill, q.dtype
+        )  # [1, kv_heads, length, hd]
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, 1, length, head_dim]
         count, context = queries.shape[0], prefill.length
         mask = prefill.mask
         if mask is None:
             mask = torch.ones(count, context, dtype=torch.bool, device=q.device).tril(context - count)
-        grouped = queries.reshape(count, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv_heads, group, count, head_dim]
+        grouped = queries.reshape(count, kv_heads, group, head_dim).permute(
+            1, 2, 0, 3
+        )  # [kv_heads, group, count, head_dim]
         attended = _softcapped_attention(grouped, keys, values, mask, scale, softcap)
         out[chunk] = attended.permute(2, 0, 1, 3).reshape(count, heads, head_dim)
     return out

@@ -76,9 +76,7 @@ def rotary_inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | No
         return _longrope_inv_freq(inv_freq, scaling, max_context)
     if scaling.rope_type == "freq_factors":
         return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float64)
-    raise ValueError(
-        f"unsupported rope_scaling type {scaling.rope_type!r} (supported: linear, llama3, yarn, longrope)"
-    )
+    raise ValueError(f"unsupported rope_scaling type {scaling.rope_type!r} (supported: linear, llama3, yarn, longrope)")
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -88,7 +86,9 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 class Rotary(torch.nn.Module):
     """Computes cos/sin for a step's positions once; every layer applies them."""
 
-    def __init__(self, config: ModelConfig, theta: float | None = None, scaling: RopeScaling | None | str = "config") -> None:
+    def __init__(
+        self, config: ModelConfig, theta: float | None = None, scaling: RopeScaling | None | str = "config"
+    ) -> None:
         """theta/scaling override the config's (Gemma 3's local layers: their own base, no scaling)."""
         super().__init__()
         scaling = config.rope_scaling if scaling == "config" else scaling

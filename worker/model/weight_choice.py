@@ -36,7 +36,14 @@ from pathlib import Path
 import torch
 
 from worker.model.config import ModelConfig
-from worker.model.quant_linear import Int4Linear, Int8Linear, PackedLinear, int4_supported, packed_linear_supported, quantize_int4
+from worker.model.quant_linear import (
+    Int4Linear,
+    Int8Linear,
+    PackedLinear,
+    int4_supported,
+    packed_linear_supported,
+    quantize_int4,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +65,10 @@ class WeightChoice:
 
     def describe(self) -> str:
         dense = f", packed bfloat16 from {self.dense_from_rows} rows" if self.dense_from_rows else ""
-        table = "; ".join(f"{mode} " + " ".join(f"{rows}:{us:.0f}" for rows, us in times.items()) for mode, times in self.micros.items())
+        table = "; ".join(
+            f"{mode} " + " ".join(f"{rows}:{us:.0f}" for rows, us in times.items())
+            for mode, times in self.micros.items()
+        )
         return f"{self.quant} weights for small steps{dense} (µs per layer by rows: {table})"
 
 
@@ -79,7 +89,9 @@ def choose_cpu_weights(config: ModelConfig, dtype: torch.dtype, dense_bytes: int
     if dense_copies_fit(dtype, dense_bytes):
         candidates["dense"] = _layer(shapes, "dense", dtype)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread's CPU time: blind to other processes on the cores, which stall parallel kernels
+    torch.set_num_threads(
+        1
+    )  # one thread's CPU time: blind to other processes on the cores, which stall parallel kernels
     try:
         micros = {mode: {rows: _time(layer, rows, dtype) for rows in ROWS} for mode, layer in candidates.items()}
     finally:
@@ -93,7 +105,9 @@ def choose_cpu_weights(config: ModelConfig, dtype: torch.dtype, dense_bytes: int
 
 def dense_copies_fit(dtype: torch.dtype, dense_bytes: int) -> bool:
     """Whether packed dense copies of every linear (`dense_bytes`) can run here and fit the memory share they may take."""
-    return packed_linear_supported(torch.device("cpu"), dtype) and dense_bytes <= DENSE_MEMORY_SHARE * available_memory()
+    return (
+        packed_linear_supported(torch.device("cpu"), dtype) and dense_bytes <= DENSE_MEMORY_SHARE * available_memory()
+    )
 
 
 def available_memory() -> int:

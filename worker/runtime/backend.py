@@ -81,7 +81,9 @@ class TorchSteps:
         per_page = self.kv_page_bytes(page_size)
         if kv_memory_bytes is None:
             pages_per_seq = -(-config.max_context // page_size)
-            kv_memory_bytes = min(self.default_kv_bytes(max_seqs * pages_per_seq * per_page), max_seqs * pages_per_seq * per_page)
+            kv_memory_bytes = min(
+                self.default_kv_bytes(max_seqs * pages_per_seq * per_page), max_seqs * pages_per_seq * per_page
+            )
         num_pages = kv_memory_bytes // per_page
         if num_pages < 1:
             raise ValueError(f"a KV budget of {kv_memory_bytes} bytes holds no page of {per_page} bytes")
@@ -110,7 +112,9 @@ class TorchSteps:
         return self.model(batch, kv)
 
 
-def build_step_batch(scheduled: list[Scheduled], page_size: int, device: torch.device, *, cascade: bool = True) -> StepBatch:
+def build_step_batch(
+    scheduled: list[Scheduled], page_size: int, device: torch.device, *, cascade: bool = True
+) -> StepBatch:
     """The model's input for one step: each sequence's next tokens, where their K/V go, and logits only
     for the sequences that sample (a prompt chunk short of its prompt's end gets none)."""
     input_ids: list[int] = []

@@ -139,7 +139,9 @@ def attention(
     return Attention(config, qkv, fused_linear(weights, [prefix + "o_proj"]), **kwargs)
 
 
-def gated_mlp(weights: WeightBuilder, gate_up: list[str], down: str, intermediate_size: int, act: str = "silu") -> GatedMLP:
+def gated_mlp(
+    weights: WeightBuilder, gate_up: list[str], down: str, intermediate_size: int, act: str = "silu"
+) -> GatedMLP:
     """gate_up: the gate and up modules (or one module holding both, gate rows first)."""
     return GatedMLP(fused_linear(weights, gate_up), fused_linear(weights, [down]), intermediate_size, act)
 

@@ -107,7 +107,9 @@ class Gemma2(Family):
 
     def config_from_gguf(self, meta: Metadata, tensors: GGUFTensors) -> ModelConfig:
         fields = self.gguf_fields(meta, tensors)
-        fields["layer_windows"] = self.gguf_windows(meta, fields["num_layers"], default=4096)  # llama.cpp's Gemma 2 default
+        fields["layer_windows"] = self.gguf_windows(
+            meta, fields["num_layers"], default=4096
+        )  # llama.cpp's Gemma 2 default
         options = GemmaOptions(
             query_pre_attn_scalar=_gguf_query_scalar(meta, fields, self.big_layer_count),
             attn_softcap=float(meta.arch_get("attn_logit_softcapping", 50.0)),

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from worker.model.build import WeightBuilder
 
 
-def llama_layer(config: ModelConfig, weights: WeightBuilder, index: int, qkv: list[str], gate_up: list[str]) -> torch.nn.Module:
+def llama_layer(
+    config: ModelConfig, weights: WeightBuilder, index: int, qkv: list[str], gate_up: list[str]
+) -> torch.nn.Module:
     prefix = f"model.layers.{index}."
     input_norm = norm(weights, prefix + "input_layernorm.weight", config)
     post_attention_norm = norm(weights, prefix + "post_attention_layernorm.weight", config)
@@ -161,7 +163,9 @@ class Phi3(Llama):
 
     def build(self, config: ModelConfig, weights: WeightBuilder) -> torch.nn.Module:
         layers = [
-            llama_layer(config, weights, i, [f"model.layers.{i}.self_attn.qkv_proj"], [f"model.layers.{i}.mlp.gate_up_proj"])
+            llama_layer(
+                config, weights, i, [f"model.layers.{i}.self_attn.qkv_proj"], [f"model.layers.{i}.mlp.gate_up_proj"]
+            )
             for i in weights.layer_range(config)
         ]
         return llama_like_model(config, weights, layers)

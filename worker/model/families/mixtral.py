@@ -65,7 +65,10 @@ class Mixtral(Family):
     def layer(self, config: ModelConfig, weights: WeightBuilder, index: int) -> Block:
         prefix = f"model.layers.{index}."
         moe = prefix + "block_sparse_moe."
-        experts = [(f"{moe}experts.{e}.w1", f"{moe}experts.{e}.w3", f"{moe}experts.{e}.w2") for e in range(config.options.num_experts)]
+        experts = [
+            (f"{moe}experts.{e}.w1", f"{moe}experts.{e}.w3", f"{moe}experts.{e}.w2")
+            for e in range(config.options.num_experts)
+        ]
         return Block(
             norm(weights, prefix + "input_layernorm.weight", config),
             attention(weights, config, prefix + "self_attn."),
@@ -76,4 +79,6 @@ class Mixtral(Family):
     def build(self, config: ModelConfig, weights: WeightBuilder) -> torch.nn.Module:
         layers = [self.layer(config, weights, i) for i in weights.layer_range(config)]
         embed = weights.tensor("model.embed_tokens.weight")
-        return DecoderModel(config, embed, layers, norm(weights, "model.norm.weight", config), lm_head(weights, config, embed))
+        return DecoderModel(
+            config, embed, layers, norm(weights, "model.norm.weight", config), lm_head(weights, config, embed)
+        )

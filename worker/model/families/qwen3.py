@@ -38,7 +38,9 @@ def router(weights: WeightBuilder, name: str) -> DenseLinear:
     return DenseLinear(weights.tensor(name), None)
 
 
-def sparse_moe(weights: WeightBuilder, config: ModelConfig, gate: str, expert_modules: list[tuple[str, str, str]]) -> SparseMoE:
+def sparse_moe(
+    weights: WeightBuilder, config: ModelConfig, gate: str, expert_modules: list[tuple[str, str, str]]
+) -> SparseMoE:
     """expert_modules: (gate, up, down) module names of each expert, in expert order."""
     options: MoeOptions = config.options
     experts = [gated_mlp(weights, [g, u], d, options.expert_intermediate_size) for g, u, d in expert_modules]
@@ -80,7 +82,9 @@ class Qwen3(Family):
     def build(self, config: ModelConfig, weights: WeightBuilder) -> torch.nn.Module:
         layers = [self.layer(config, weights, i) for i in weights.layer_range(config)]
         embed = weights.tensor("model.embed_tokens.weight")
-        return DecoderModel(config, embed, layers, norm(weights, "model.norm.weight", config), lm_head(weights, config, embed))
+        return DecoderModel(
+            config, embed, layers, norm(weights, "model.norm.weight", config), lm_head(weights, config, embed)
+        )
 
 
 class Qwen3Moe(Qwen3):
@@ -129,4 +133,3 @@ class Qwen3Moe(Qwen3):
             for e in range(config.options.num_experts)
         ]
         return sparse_moe(weights, config, mlp + "gate.weight", experts)
-
