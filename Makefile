@@ -31,17 +31,17 @@ test: install system-deps
 test-fast: install
 	$(BIN)/pytest -q -m "not slow"
 
-# lmq, llama-server compiled here (bench/build_llama_server.sh: ~10 minutes the first time, cached in .bench/)
-# and the xllamacpp wheel's server, all up, alternated level by level (bench/alternate.py); ~40 minutes.
+# lmq, llama-server compiled here (bench/harness/build_llama_server.sh: ~10 minutes the first time, cached in .bench/)
+# and the xllamacpp wheel's server, all up, alternated level by level (bench/harness/alternate.py); ~40 minutes.
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/service/run_all.py
 
 clean:
 	rm -rf $(VENV) .lmq .pytest_cache .hypothesis
 
 # The CUDA path verified and measured on a GPU machine in one run (docs/gpu.md); no venv, no network:
-# the machine's own python3, the wheels it lacks carried in .gpu-wheels (bench/gpu_wheels.sh).
+# the machine's own python3, the wheels it lacks carried in .gpu-wheels (bench/gpu/wheels.sh).
 .PHONY: gpu-check
 gpu-check:
-	$(PYTHON) -m bench.gpu_check --out $(or $(OUT),bench/results/gpu)
+	$(PYTHON) -m bench.gpu.check --out $(or $(OUT),bench/results/gpu)

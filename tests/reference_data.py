@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.quality import REFERENCE_DIRS, REFERENCE_NAME, find_reference
+from bench.engine.quality import REFERENCE_DIRS, REFERENCE_NAME, find_reference
 
 
 def load_reference() -> dict:

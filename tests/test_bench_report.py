@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench import report
+from bench.harness import report
 
 
 def level(concurrency: int, tok_s: float, ttft_s: float) -> dict:

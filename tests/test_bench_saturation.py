@@ -1,4 +1,4 @@
-"""bench/redis_saturation.py: the figures it derives from measured seconds, and its smallest real run.
+"""bench/service/redis_saturation.py: the figures it derives from measured seconds, and its smallest real run.
 
 The real run starts an embedded Redis, one `lmq gateway` process and one stub worker (the default
 model's tokenizer with a transformer that answers at once), streams 4 requests of 4 tokens, and reads
@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from bench import redis_saturation
-from bench.stats import RequestResult, summarize
+from bench.harness.stats import RequestResult, summarize
+from bench.service import redis_saturation
 
 
 def test_level_figures_per_10k_tokens_utilisation_and_command_ranking():
@@ -114,7 +114,7 @@ def test_the_smallest_real_run_reports_every_figure(tmp_path):
     commands = {c["command"]: c for c in level["redis_commands"]}
     assert commands["evalsha"]["calls"] > 0, "the workers' step script runs as EVALSHA"
     assert commands["xadd"]["calls"] >= 4, "each request was appended to the request stream"
-    assert report["redis_server"] and report["command"].startswith("python bench/redis_saturation.py")
+    assert report["redis_server"] and report["command"].startswith("python bench/service/redis_saturation.py")
     assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == [
         "saturation-gateway-0.log",
         "saturation-worker-0.log",

@@ -1,4 +1,4 @@
-"""The load generator (bench/serve.py) against a real local HTTP server that speaks OpenAI's streaming chat.
+"""The load generator (bench/service/serve.py) against a real local HTTP server that speaks OpenAI's streaming chat.
 
 The server counts one token per whitespace-separated word (plus a fixed cost per message, like a chat
 template), streams one chunk per output token, and records every body it receives. No timing asserts.
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from bench import serve
-from bench.client import is_loopback
-from bench.prompts import STAND_IN_SYSTEM
-from bench.stats import RequestResult, percentile, summarize
+from bench.harness.client import is_loopback
+from bench.harness.prompts import STAND_IN_SYSTEM
+from bench.harness.stats import RequestResult, percentile, summarize
+from bench.service import serve
 
 TEMPLATE_TOKENS = 3
 TOKENS_PER_MESSAGE = 4
@@ -168,7 +168,7 @@ async def run_cli(args: list[str]) -> tuple[int, dict]:
             frame = sys._current_frames().get(thread.ident)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the thread has ended)"
             error = AssertionError(
-                f"bench/serve.py did not finish within {RUN_DEADLINE_S} s; its thread is at:\n{stack}"
+                f"bench/service/serve.py did not finish within {RUN_DEADLINE_S} s; its thread is at:\n{stack}"
             )
             _describe_the_server(error)
             raise error from None

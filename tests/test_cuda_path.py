@@ -1,6 +1,6 @@
 """The CUDA path against references computed on the same machine: skipped where CUDA is absent.
 
-Random weights with a real shape (bench/random_models.py; SmolLM2-135M's by default) built three
+Random weights with a real shape (bench/engine/random_models.py; SmolLM2-135M's by default) built three
 ways: bfloat16 and float32 on the GPU, float32 on the CPU; transformers' Llama holds the same
 tensors. Decode steps go through the production path: CUDA graphs (worker/cuda/graphs.py) and the
 paged decode kernel (worker/cuda/paged_decode.py).
@@ -32,7 +32,7 @@ import pytest
 import torch
 from paged_steps import Chunk, allocate_kv, make_batch
 
-from bench.random_models import hf_config, hf_model, lmq_model, random_weights
+from bench.engine.random_models import hf_config, hf_model, lmq_model, random_weights
 from protocol import SamplingParams
 from worker import compute_thread
 from worker.batch import PagedKV

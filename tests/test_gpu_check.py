@@ -1,4 +1,4 @@
-"""bench/gpu_check.py's plumbing on a CPU: a real dry-run phase, the time limits, wheels, junit parsing, the report.
+"""bench/gpu/check.py's plumbing on a CPU: a real dry-run phase, the time limits, wheels, junit parsing, the report.
 
 The figures need the GPU machine; what can break before it gets there is tested here.
 """
@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import gpu_check
-from bench.gpu_report import render
+from bench.gpu import check as gpu_check
+from bench.gpu.report import render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_check(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--dry-run", *args],
+        [sys.executable, "-m", "bench.gpu.check", "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--dry-run", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert (out / "gpu-check.log").exists(), done.stderr
@@ -86,7 +86,7 @@ def test_junit_results_keep_outcomes_and_recorded_figures(tmp_path: Path) -> Non
 
 def test_the_report_judges_targets_from_partial_results() -> None:
     report = {
-        "date": "2026-11-30", "command": "python -m bench.gpu_check --out x", "environment": {"gpu": "NVIDIA H200"},
+        "date": "2026-11-30", "command": "python -m bench.gpu.check --out x", "environment": {"gpu": "NVIDIA H200"},
         "phases": {
             "bench-smollm2-135m": {"status": "timeout", "seconds": 90, "budget_s": 90, "results": {
                 "lmq_decode_1": {"streams": 1, "decode_tok_s": 700.0, "step_ms_median": 1.4, "run_tok_s": 650.0, "graph_replays": 63},

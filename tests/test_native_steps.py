@@ -16,7 +16,7 @@ from paged_steps import Chunk, allocate_kv, make_batch
 from reference_data import load_reference
 from test_reference import LIMITS
 
-from bench.quality import chat_logits, compare
+from bench.engine.quality import chat_logits, compare
 from worker.batch import PagedKV
 from worker.model.loader import LoadedModel, load_model
 from worker.model.native_llama import AMX_FROM_ROWS, amx_usable

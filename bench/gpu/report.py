@@ -1,4 +1,4 @@
-"""report.md of bench/gpu_check.py from its report.json: phases, tests, kernel, engine per shape, service, targets."""
+"""report.md of bench/gpu/check.py from its report.json: phases, tests, kernel, engine per shape, service, targets."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def _service(report: dict) -> list[str]:
         rows.append([str(level["streams"]), _num(level["output_tok_s"]), _num(alone), _num(ratio, 2), verdict,
                      _num((level.get("ttft_median_s") or 0) * 1000), f"{level['completed']} / {level['errors']}"])  # fmt: skip
     return [f"## Whole service: Redis + {setup.get('gateways', '-')} gateways + one GPU worker ({setup.get('shape', '-')})", "",
-            f"bench/serve.py clients, one per gateway; prompts {setup.get('prompt_tokens', '-')} tokens, {setup.get('max_tokens', '-')} "
+            f"bench/service/serve.py clients, one per gateway; prompts {setup.get('prompt_tokens', '-')} tokens, {setup.get('max_tokens', '-')} "
             "tokens each; against the engine alone's whole-run tokens/s at the same streams (prompt 64, 64 tokens).", "",
             *_table(["streams", "service tok/s", "engine alone tok/s", "service/engine", "≤10% cost", "TTFT p50 ms", "ok / errors"], rows)]  # fmt: skip
 

@@ -1,8 +1,8 @@
 """The queue without a model: an embedded Redis (or Redis Cluster), N `lmq gateway` processes and M
 stub worker processes.
 
-Shared by bench/queue_overhead.py (one of each) and bench/redis_saturation.py (N and M of choice,
-one Redis or a cluster of P primaries). The workers run bench/stub_worker.py, whose model answers
+Shared by bench/service/queue_overhead.py (one of each) and bench/service/redis_saturation.py (N and M of choice,
+one Redis or a cluster of P primaries). The workers run bench/harness/stub_worker.py, whose model answers
 at once, so every CPU second measured is the plumbing's: HTTP and SSE in the gateways, scheduling,
 sampling, detokenization and the step script in the workers, streams, scripts and pub/sub in Redis.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench import processes
+from bench.harness import processes
 from lmq.redis_cluster import EmbeddedCluster
 from lmq.redis_server import EmbeddedRedis, free_tcp_port
 from protocol.cluster_url import shard_layout
@@ -100,7 +100,7 @@ class StubServices:
             ))  # fmt: skip
         for i in range(self.worker_count):
             self.workers.append(processes.start(
-                processes.python_command("bench/stub_worker.py", "--redis-url", redis_url, "--max-seqs", str(self.max_seqs),
+                processes.python_command("bench/harness/stub_worker.py", "--redis-url", redis_url, "--max-seqs", str(self.max_seqs),
                                          "--kv-memory", self.kv_memory, "--threads", "1"),
                 self.logs / f"{self.log_prefix}-worker-{i}.log",
             ))  # fmt: skip

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from bench.stats import RequestResult
+from bench.harness.stats import RequestResult
 
 
 def is_loopback(url: str) -> bool:

@@ -1,8 +1,8 @@
 """The queue's own cost: gateway + Redis + worker with a model that answers at once.
 
-    python bench/queue_overhead.py --streams 64,256 --json bench/results/queue_overhead.json
+    python bench/service/queue_overhead.py --streams 64,256 --json bench/results/queue_overhead.json
 
-Starts an embedded Redis, one `lmq gateway` process and one stub worker (bench/stub_worker.py),
+Starts an embedded Redis, one `lmq gateway` process and one stub worker (bench/harness/stub_worker.py),
 then measures (1) streamed tokens/s at each level of concurrent streams, with the CPU seconds the
 gateway, worker, Redis and this client spent, and (2) the first-token latency of one request at a
 time through HTTP and the queue, against the same stub engine called in-process.
@@ -23,13 +23,13 @@ from pathlib import Path
 import aiohttp
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.client import ChatClient
-from bench.prompts import question
-from bench.serve import run_level
-from bench.stats import summarize
-from bench.stub_services import StubServices
+from bench.harness.client import ChatClient
+from bench.harness.prompts import question
+from bench.harness.stats import summarize
+from bench.harness.stub_services import StubServices
+from bench.service.serve import run_level
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +86,7 @@ async def service_first_tokens(services: StubServices, count: int) -> list[float
 
 async def engine_first_tokens(count: int) -> list[float]:
     """TTFT of the same prompts through the stub engine in this process: template, tokenize, add, first step."""
-    from bench.stub_worker import load_stub
+    from bench.harness.stub_worker import load_stub
     from protocol import SamplingParams
     from worker.config import WorkerConfig
     from worker.engine import Engine, GenRequest
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     report = asyncio.run(run(args))
-    report["command"] = " ".join(["python", "bench/queue_overhead.py", *argv])
+    report["command"] = " ".join(["python", "bench/service/queue_overhead.py", *argv])
     ttft = report["ttft"]
     print(f"first token: engine in-process {ttft['engine_in_process_median_ms']:.2f} ms, through the queue "
           f"{ttft['through_queue_median_ms']:.2f} ms (median of {ttft['requests']})")  # fmt: skip

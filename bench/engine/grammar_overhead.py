@@ -1,6 +1,6 @@
 """Constrained decoding: what a JSON-schema grammar costs per step, at 16 streams, on the default model's vocabulary.
 
-    .venv/bin/python -m bench.grammar_overhead [--streams 16] [--rounds 3] [--peers DIR]
+    .venv/bin/python -m bench.engine.grammar_overhead [--streams 16] [--rounds 3] [--peers DIR]
 
 Each stream is teacher-forced through its own pretty-printed JSON document that validates against
 a schema with nesting, enums, arrays and `required` (the grammar's states are those of real
@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         command = [
             sys.executable,
             "-m",
-            "bench.grammar_overhead",
+            "bench.engine.grammar_overhead",
             "--only",
             name,
             "--streams",
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         if args.peers:
             command += ["--peers", str(args.peers)]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+        done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
         print(done.stdout.strip() or f"| {name} | failed: {done.stderr.strip().splitlines()[-1:]} | | | | | | |")
 
     print("\n| applying the mask, [16, V] float32 on the CPU | ms |")

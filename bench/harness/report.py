@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-BEGIN = "<!-- measured:begin (bench/run_all.py rewrites this section) -->"
+BEGIN = "<!-- measured:begin (bench/service/run_all.py rewrites this section) -->"
 END = "<!-- measured:end -->"
 
 # Quoted from issue 8: llama.cpp's server (Q4_1, 16 slots) on this machine kind, measured 2026-11-29.

@@ -1,9 +1,9 @@
 """How close each weight mode stays to float32: KL divergence and top-1 agreement, teacher-forced.
 
-    .venv/bin/python -m bench.quality                          # the table of docs/weight-modes.md
-    .venv/bin/python -m bench.quality --modes bfloat16/int4    # some modes only
-    .venv/bin/python -m bench.quality --json                   # the figures as JSON
-    .venv/bin/python -m bench.quality --modes --broken         # deliberately broken modes only
+    .venv/bin/python -m bench.engine.quality                          # the table of docs/weight-modes.md
+    .venv/bin/python -m bench.engine.quality --modes bfloat16/int4    # some modes only
+    .venv/bin/python -m bench.engine.quality --json                   # the figures as JSON
+    .venv/bin/python -m bench.engine.quality --modes --broken         # deliberately broken modes only
 
 The measure llama.cpp's `perplexity --kl-divergence` uses. Every mode reads the same token stream:
 each reference prompt (shared/reference/smollm2-greedy.json) followed by the reference's greedy
@@ -38,7 +38,7 @@ from worker.batch import PagedKV, StepBatch
 from worker.model.loader import LoadedModel, load_model
 
 REFERENCE_NAME = "smollm2-greedy.json"
-REFERENCE_DIRS = [Path(__file__).resolve().parents[2] / "shared" / "reference", Path("/work/shared/reference")]
+REFERENCE_DIRS = [Path(__file__).resolve().parents[3] / "shared" / "reference", Path("/work/shared/reference")]
 EOS_ID = 2  # the reference suppressed EOS (min_new_tokens) for all 32 steps
 CLEAR_MARGIN = 0.5  # logits between float32's best and second-best token
 # bfloat16/int4 runs on the native step where the CPU has AVX-512 VNNI (worker/model/native_llama.py); /torch: torch's

@@ -1,6 +1,6 @@
 """Load generator for any OpenAI-compatible server: streaming chat completions at several concurrencies.
 
-    python bench/serve.py --url http://127.0.0.1:8000/v1 --concurrency 1,4,16,64 \\
+    python bench/service/serve.py --url http://127.0.0.1:8000/v1 --concurrency 1,4,16,64 \\
         --requests 64 --max-tokens 128 --ignore-eos --json bench/results/lmq.json
 
 Each level runs a fixed number of requests (at least one per stream) from `concurrency` closed-loop
@@ -23,11 +23,11 @@ from pathlib import Path
 import aiohttp
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.client import ChatClient, is_loopback
-from bench.prompts import cache_safe, fit_system_words, fit_user_prompts, system_text
-from bench.stats import RequestResult, format_table, summarize
+from bench.harness.client import ChatClient, is_loopback
+from bench.harness.prompts import cache_safe, fit_system_words, fit_user_prompts, system_text
+from bench.harness.stats import RequestResult, format_table, summarize
 
 
 def int_list(text: str) -> list[int]:
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     report = asyncio.run(run(args))
-    report["command"] = " ".join(["python", "bench/serve.py", *argv])
+    report["command"] = " ".join(["python", "bench/service/serve.py", *argv])
     print(format_table(report["levels"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

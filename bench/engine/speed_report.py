@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench import report
+from bench.harness import report
 
-BEGIN = "<!-- engine:begin (bench/engine.py writes this section; make bench runs it) -->"
+BEGIN = "<!-- engine:begin (bench/engine/speed.py writes this section; make bench runs it) -->"
 END = "<!-- engine:end -->"
 
 # The issue's targets against HF transformers' generate: lmq ÷ HF at least this much (TTFT: cached ÷ cold at most).

@@ -1,13 +1,13 @@
 """`make bench`: lmq beside llama.cpp's server, alternated level by level, then docs/benchmarks.md's measured section.
 
-    python bench/run_all.py            # the full run (about 40 minutes on 2 cores)
-    python bench/run_all.py --quick    # a smoke run: few requests, small levels
+    python bench/service/run_all.py            # the full run (about 40 minutes on 2 cores)
+    python bench/service/run_all.py --quick    # a smoke run: few requests, small levels
 
 Steps: `lmq serve` (default model, 2 threads), llama.cpp's llama-server compiled for this machine
-(bench/build_llama_server.sh, cached under .bench/) and the `xllamacpp` wheel's server, all up at once
-→ bench/serve.py at each level, the servers in turn, two rounds, best round of each (bench/alternate.py)
-→ a 1,000-token system prompt, shared (cacheable) and unique, the same way → bench/queue_overhead.py →
-JSON under bench/results/, plots and the doc → bench/engine.py (the engine alone next to HF transformers;
+(bench/harness/build_llama_server.sh, cached under .bench/) and the `xllamacpp` wheel's server, all up at once
+→ bench/service/serve.py at each level, the servers in turn, two rounds, best round of each (bench/harness/alternate.py)
+→ a 1,000-token system prompt, shared (cacheable) and unique, the same way → bench/service/queue_overhead.py →
+JSON under bench/results/, plots and the doc → bench/engine/speed.py (the engine alone next to HF transformers;
 it writes its own section of the doc).
 """
 
@@ -26,17 +26,17 @@ import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import processes, report
-from bench.alternate import Alternation, Workload
+from bench.harness import processes, report
+from bench.harness.alternate import Alternation, Workload
 
 # Every server's OpenMP threads wait as lmq's worker's do (worker/config.py), llama.cpp's too (built with
 # OpenMP): a short spin, then sleep. Spinning without end collapses both 10-20x when anything else takes the
 # cores; sleeping at once cost llama.cpp 3x on a quiet host (one stream: 30 against 100 tokens/s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
-from bench.plot import plot_throughput, plot_ttft
+from bench.harness.plot import plot_throughput, plot_ttft
 from lmq.redis_server import free_tcp_port
 
 ROOT = processes.ROOT
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer-poll", type=int, default=0, help="llama.cpp's --poll (busy-wait level of its threads)")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
-    parser.add_argument("--skip-engine", action="store_true", help="no bench/engine.py run")
+    parser.add_argument("--skip-engine", action="store_true", help="no bench/engine/speed.py run")
     parser.add_argument("--results", type=Path, default=ROOT / "bench/results")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks.md")
     parser.add_argument(
@@ -125,7 +125,7 @@ def lmq_service(args: argparse.Namespace, logs: Path):
 def peer_service(args: argparse.Namespace, logs: Path, binary: str = ""):
     """llama.cpp's server: the xllamacpp wheel's, or the compiled `binary`."""
     port = free_tcp_port()
-    command = [args.peer_python, "bench/peer_llamacpp.py", "--port", str(port), "--slots", str(args.peer_slots),
+    command = [args.peer_python, "bench/harness/peer_llamacpp.py", "--port", str(port), "--slots", str(args.peer_slots),
                "--threads", str(args.threads), "--poll", str(args.peer_poll)]  # fmt: skip
     if binary:
         command += ["--binary", binary]
@@ -141,7 +141,9 @@ def built_server(logs: Path) -> str:
     """The compiled llama-server's path (built once, ~10 minutes on 2 cores), or "" when it cannot be built."""
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / "build-llama-server.log", "wb") as log:
-        done = subprocess.run(["bash", "bench/build_llama_server.sh"], cwd=ROOT, stdout=subprocess.PIPE, stderr=log)
+        done = subprocess.run(
+            ["bash", "bench/harness/build_llama_server.sh"], cwd=ROOT, stdout=subprocess.PIPE, stderr=log
+        )
     path = done.stdout.decode().strip().splitlines()[-1:] if done.returncode == 0 else []
     return str(ROOT / path[0]) if path else ""
 
@@ -229,7 +231,7 @@ def render(args: argparse.Namespace, runs: dict[str, dict], prefix: dict[str, di
         f"template (counted by each server), {args.max_tokens} output tokens with `ignore_eos`, greedy; per level "
         f"max({args.requests}, 2 × streams) requests, closed loop, after a warm-up. All servers up at once; each level "
         f"runs on each server in turn ({', '.join(runs)}), {args.rounds} rounds, and each server's best round counts "
-        "(bench/alternate.py).",
+        "(bench/harness/alternate.py).",
         "",
         report.serve_table(runs),
         "",
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     runner.commands += alternation.commands
     overhead = None
     if not args.skip_overhead:
-        command = processes.python_command("bench/queue_overhead.py", "--streams", args.overhead_streams,
+        command = processes.python_command("bench/service/queue_overhead.py", "--streams", args.overhead_streams,
                                            "--max-tokens", str(args.max_tokens))  # fmt: skip
         overhead = runner.run_json(command, "queue_overhead.json")
 
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     args.doc.write_text(report.replace_section(document, section))
     print(f"\nwrote {args.doc} and the plots in {args.plots}")
     if not args.skip_engine:
-        command = processes.python_command("-m", "bench.engine", "--threads", str(args.threads), "--doc", str(args.doc),
+        command = processes.python_command("-m", "bench.engine.speed", "--threads", str(args.threads), "--doc", str(args.doc),
                                            *(["--quick"] if args.quick else []))  # fmt: skip
         runner.run_json(command, "engine.json")
     return 0

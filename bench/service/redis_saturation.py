@@ -1,11 +1,11 @@
 """Where one Redis saturates: N gateways and M stub workers on one Redis, streaming at rising concurrency.
 
-    python bench/redis_saturation.py --gateways 2 --workers 2 --streams 16,64,256 --max-tokens 128 \\
+    python bench/service/redis_saturation.py --gateways 2 --workers 2 --streams 16,64,256 --max-tokens 128 \\
         --json bench/results/redis_saturation.json
-    python bench/redis_saturation.py --cluster 3 --shards 6 ...   # the same on a 3-primary Redis Cluster
+    python bench/service/redis_saturation.py --cluster 3 --shards 6 ...   # the same on a 3-primary Redis Cluster
 
 Starts an embedded Redis, N `lmq gateway` processes and M workers whose model answers at once
-(bench/stub_services.py), so that no model cost hides the queue's. Each level runs
+(bench/harness/stub_services.py), so that no model cost hides the queue's. Each level runs
 streams × --requests-per-stream streaming chat completions from that many closed-loop streams,
 spread over the gateways in turn. Per level it reports streamed tokens/s, requests/s and errors; the
 CPU seconds of Redis, the gateways, the workers and this client, and each one's utilisation (CPU
@@ -42,13 +42,13 @@ from pathlib import Path
 import aiohttp
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.client import ChatClient
-from bench.prompts import question
-from bench.serve import int_list, run_level
-from bench.stats import RequestResult, summarize
-from bench.stub_services import StubServices
+from bench.harness.client import ChatClient
+from bench.harness.prompts import question
+from bench.harness.stats import RequestResult, summarize
+from bench.harness.stub_services import StubServices
+from bench.service.serve import int_list, run_level
 
 COMPONENTS = ("redis", "gateway", "worker", "client")
 TOKENS_UNIT = 10_000
@@ -140,7 +140,7 @@ def machine_busy_seconds() -> float:
 def level_figures(summary: dict, cpu_s: dict[str, float], commands: dict[str, dict[str, int]],
                   gateways: int, workers: int, cores_busy: float,
                   nodes: list[tuple[float, dict]] | None = None) -> dict:  # fmt: skip
-    """A level's summary (bench/stats.py) with the CPU figures derived from the measured seconds.
+    """A level's summary (bench/harness/stats.py) with the CPU figures derived from the measured seconds.
 
     `cpu_s["redis"]` and `commands` are sums over the Redis nodes; `nodes` has each node's
     (CPU seconds, commandstats), by default the one Redis that had them all."""
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cluster < 0 or (args.shards is not None and (not args.cluster or args.shards < 1)):
         parser.error("--cluster is 0 (one Redis) or more primaries; --shards, at least 1, only with --cluster")
     print(HEADER, file=sys.stderr, flush=True)
-    report = asyncio.run(run(args)) | {"command": " ".join(["python", "bench/redis_saturation.py", *argv])}
+    report = asyncio.run(run(args)) | {"command": " ".join(["python", "bench/service/redis_saturation.py", *argv])}
     print(text_report(report))
     if args.json:
         save(report, args.json)

@@ -1,11 +1,11 @@
 """The whole service on the GPU machine: embedded Redis, several gateways, one GPU worker, streaming clients.
 
-Used by bench/gpu_check.py's `service` phase. The model is the SmolLM2-135M shape with random
+Used by bench/gpu/check.py's `service` phase. The model is the SmolLM2-135M shape with random
 weights, written as an HF directory the worker loads like any other. One client process per gateway
-(bench/serve.py: chat completions, streamed, every prompt new) so that neither one gateway's event
+(bench/service/serve.py: chat completions, streamed, every prompt new) so that neither one gateway's event
 loop nor the client's parsing caps the rate; a level's tokens/s is the sum over the clients.
 
-    python -m bench.gpu_service --worker ...   # the worker (`lmq worker`)
+    python -m bench.gpu.service --worker ...   # the worker (`lmq worker`)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import processes
+from bench.harness import processes
 
 GATEWAYS = 4
 MAX_TOKENS = 64
@@ -29,7 +29,7 @@ PROMPT_TOKENS = "60-68"
 
 def start_worker(model_dir: Path, redis_url: str, device: str, max_seqs: int, log: Path) -> subprocess.Popen:
     command = processes.python_command(
-        "-m", "bench.gpu_service", "--worker", "--model", str(model_dir), "--device", device, "--dtype", "bfloat16",
+        "-m", "bench.gpu.service", "--worker", "--model", str(model_dir), "--device", device, "--dtype", "bfloat16",
         "--quant", "none", "--max-seqs", str(max_seqs), "--kv-memory", "4GiB" if device == "cuda" else "256MiB",
         "--page-size", "16", "--step-tokens", "4096", "--redis-url", redis_url,
     )  # fmt: skip
@@ -37,7 +37,7 @@ def start_worker(model_dir: Path, redis_url: str, device: str, max_seqs: int, lo
 
 
 def run(record: Callable[[str, object], None], *, device: str, dry_run: bool, work: Path) -> None:
-    from bench.random_models import hf_config, random_weights, write_hf_dir
+    from bench.engine.random_models import hf_config, random_weights, write_hf_dir
     from lmq.redis_server import EmbeddedRedis, free_tcp_port
 
     shape, levels = ("tiny", [4, 8]) if dry_run else ("smollm2-135m", [64, 256])
@@ -96,7 +96,7 @@ def level(ports: list[int], streams: int, level_index: int, work: Path, dry_run:
     for index, port in enumerate(ports):
         out = work / f"service-{streams}-{index}.json"
         command = processes.python_command(
-            "bench/serve.py", "--url", f"http://127.0.0.1:{port}/v1", "--concurrency", str(per_client),
+            "bench/service/serve.py", "--url", f"http://127.0.0.1:{port}/v1", "--concurrency", str(per_client),
             "--requests", str(2 * per_client), "--warmup", "0", "--max-tokens", str(4 if dry_run else MAX_TOKENS),
             "--ignore-eos", "--prompt-tokens", PROMPT_TOKENS, "--prompt-offset", str(1000 * level_index + 200 * index),  # 3,200 distinct questions
             "--level-timeout", "120", "--json", str(out),
@@ -127,4 +127,4 @@ def worker_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         sys.exit(worker_main(sys.argv[2:]))
-    sys.exit("usage: python -m bench.gpu_service --worker [lmq worker options]")
+    sys.exit("usage: python -m bench.gpu.service --worker [lmq worker options]")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # llama.cpp's own llama-server, compiled for this kind of machine: the strongest peer a user of it would run.
 #
-#     bash bench/build_llama_server.sh [DIR]    # default .bench/llama.cpp; prints the binary's path
+#     bash bench/harness/build_llama_server.sh [DIR]    # default .bench/llama.cpp; prints the binary's path
 #
 # The sources come from PyPI, inside the llama-cpp-python sdist (vendor/llama.cpp), so no git clone and
 # no network beyond pip. The instruction sets are named, not detected: GGML_NATIVE=ON crashed at thread-pool

@@ -6,7 +6,7 @@ server per round, servers in a fixed order within a round, and each server keeps
 (highest aggregate tokens/s) of each level: the drift hits every server alike, and a round stalled
 by other work on the cores does not decide the figure.
 
-Each run is one `bench/serve.py` call (its JSON kept under bench/results/), at one level, with its own
+Each run is one `bench/service/serve.py` call (its JSON kept under bench/results/), at one level, with its own
 block of questions: every server sees the same questions in a round and never a question twice, so no
 run starts with its prompts in a prefix cache (the shared system prompt of the prefix workload is the
 only thing meant to be cached).
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import processes
+from bench.harness import processes
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Alternation:
         slug = _slug(label)
         out = self.results / f"{workload.slug}-{slug}-c{level}-r{round_index + 1}.json"
         command = processes.python_command(
-            "bench/serve.py", "--url", self.servers[label], "--label", label, "--max-tokens", str(self.max_tokens),
+            "bench/service/serve.py", "--url", self.servers[label], "--label", label, "--max-tokens", str(self.max_tokens),
             "--ignore-eos", "--concurrency", str(level), "--requests", str(workload.requests(level)),
             "--warmup", str(workload.warmup), "--prompt-offset", str(first_question), *workload.extra, "--json", str(out),
         )  # fmt: skip

@@ -1,7 +1,7 @@
 """Engine benchmark on the default model, next to HF transformers' generate: decode, prefill, prefix-cache TTFT, step breakdown.
 
-    .venv/bin/python -m bench.engine            # every weight mode that matters, 2 threads, writes the doc section
-    .venv/bin/python -m bench.engine --quick    # a smoke run: tiny token counts, nothing written to the doc
+    .venv/bin/python -m bench.engine.speed            # every weight mode that matters, 2 threads, writes the doc section
+    .venv/bin/python -m bench.engine.speed --quick    # a smoke run: tiny token counts, nothing written to the doc
 
 Per lmq weight mode (dtype/quant), through the real `Engine.run` fed `GenRequest`s: decode tok/s of one
 stream and aggregate over 32 streams, prefill tok/s of a 512-token prompt, time to first token of a
@@ -33,14 +33,15 @@ import torch
 import worker.engine as engine_module
 import worker.model.llama as llama
 import worker.runtime.backend as backend_module
-from bench import engine_report, peer_hf
-from bench.engine_report import Breakdown, Figures, Sizes
+from bench.engine import peer_hf
+from bench.engine import speed_report as engine_report
+from bench.engine.speed_report import Breakdown, Figures, Sizes
 from protocol import SamplingParams
 from worker import compute_thread
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.model.loader import LoadedModel, default_model_path, load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODES = [
     "auto/auto",
     "bfloat16/int4",
@@ -237,7 +238,7 @@ async def measure(model: LoadedModel, work: Workload, sizes: Sizes) -> tuple[Fig
 
 
 def machine() -> str:
-    from bench.run_all import machine as describe
+    from bench.service.run_all import machine as describe
 
     return describe()
 
@@ -245,7 +246,7 @@ def machine() -> str:
 def shown_command(argv: list[str]) -> str:
     python = ".venv/bin/python" if sys.executable.startswith(str(ROOT)) else "python"
     parts = [os.path.relpath(part, ROOT) if part.startswith(str(ROOT)) else part for part in argv]
-    return shlex.join([python, "-m", "bench.engine", *parts])
+    return shlex.join([python, "-m", "bench.engine.speed", *parts])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,1 @@
+"""Benchmarks of the engine in one process: speed beside transformers, weight-mode quality, grammar cost."""

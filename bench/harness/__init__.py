@@ -1,0 +1,1 @@
+"""Shared pieces of the benchmarks: clients, timing, prompts, processes, peers, reports."""
