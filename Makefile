@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps serve test test-fast bench clean
+.PHONY: install system-deps serve test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -25,11 +25,16 @@ serve: install
 system-deps:
 	bash .ci/system-deps
 
-test: install system-deps
+test: install system-deps lint
 	$(BIN)/pytest -q
 
+# unit and in-process tests only (no default model, no process-level stacks)
 test-fast: install
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow and not system"
+
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 # lmq, llama-server compiled here (bench/harness/build_llama_server.sh: ~10 minutes the first time, cached in .bench/)
 # and the xllamacpp wheel's server, all up, alternated level by level (bench/harness/alternate.py); ~40 minutes.

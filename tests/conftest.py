@@ -20,10 +20,19 @@ import pathlib
 
 import pytest
 import redis.asyncio as aioredis
-from tiny_model import make_tiny_model
 
 from lmq.redis_server import EmbeddedRedis, find_redis_server
+from tests.support.tiny_model import make_tiny_model
 from worker.model.loader import LoadedModel, load_model
+
+SYSTEM_DIR = pathlib.Path(__file__).parent / "system"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/system/ starts real processes: `-m "not system"` (make test-fast) leaves them out."""
+    for item in items:
+        if SYSTEM_DIR in item.path.parents:
+            item.add_marker(pytest.mark.system)
 
 
 async def _flushed(url: str) -> str:
@@ -93,7 +102,7 @@ async def redis_client(redis_url: str):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """An HF-style directory of a tiny Llama model with random weights (tests/tiny_model.py)."""
+    """An HF-style directory of a tiny Llama model with random weights (tests/support/tiny_model.py)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
@@ -122,7 +131,7 @@ def tiny_long(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 @pytest.fixture
 async def api_url(redis_url: str, tiny_long: LoadedModel):
     """A gateway and a real worker on tiny_long: the API tests' server."""
-    from gateway_support import real_worker, running_gateway
+    from tests.support.gateway_harness import real_worker, running_gateway
 
     async with real_worker(redis_url, tiny_long, kv_memory="32MiB", max_seqs=8), running_gateway(redis_url) as url:
         yield url

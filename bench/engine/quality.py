@@ -185,7 +185,7 @@ def _shuffle_rows(loaded: LoadedModel) -> None:
     ]
 
 
-# Deliberately broken modes (--broken): how far outside tests/test_reference.py's limits real bugs land.
+# Deliberately broken modes (--broken): how far outside tests/worker/model/test_reference.py's limits real bugs land.
 BROKEN = {
     "bfloat16/int4, layer 15 of 30: down_proj zeroed": ("bfloat16/int4/torch", _zero_down),
     "bfloat16/int4, layer 15: int4 zero point one step low": ("bfloat16/int4/torch", _zero_point_one_step_low),

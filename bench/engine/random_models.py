@@ -39,7 +39,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                                    num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
                                    rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    # tests/tiny_model.py's size: for dry runs on a CPU
+    # tests/support/tiny_model.py's size: for dry runs on a CPU
     "tiny": _COMMON | dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, rope_theta=10000.0),
 }  # fmt: skip

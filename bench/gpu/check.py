@@ -4,7 +4,7 @@
     python -m bench.gpu.check --out /tmp/gc --device cpu --dry-run   # the plumbing, on a CPU, tiny shapes
 
 Steps: install the carried wheels the machine lacks (skipped when everything imports) → the CUDA
-tests (tests/test_cuda_path.py) → the paged decode kernel against gather + SDPA → the engine on the
+tests (tests/worker/cuda/test_cuda_path.py) → the paged decode kernel against gather + SDPA → the engine on the
 SmolLM2-135M and Llama-3.2-1B shapes with random weights, beside transformers' generate → the whole
 service (Redis, gateways, one GPU worker) at 64 and 256 streams. Each phase runs in a process of its
 own under its own time limit, records each figure as soon as it has it, and is killed when its
@@ -182,7 +182,7 @@ def phase_command(phase: str, args: argparse.Namespace, work: Path) -> tuple[lis
         if args.dry_run or args.device == "cpu":
             env |= {"LMQ_CUDA_TEST_DEVICE": "cpu", "LMQ_CUDA_TEST_SHAPE": "tiny"}
         command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
-                   "--junitxml", str(work / "junit.xml"), "tests/test_cuda_path.py"]  # fmt: skip
+                   "--junitxml", str(work / "junit.xml"), "tests/worker/cuda/test_cuda_path.py"]  # fmt: skip
         return command, env
     command = [sys.executable, "-m", "bench.gpu.check", "--phase", phase, "--device", args.device,
                "--work", str(work), "--out", str(args.out)]  # fmt: skip

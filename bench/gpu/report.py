@@ -45,7 +45,11 @@ def _tests(phase: dict) -> list[str]:
             if k not in ("outcome", "seconds")
         )
         rows.append([name, result["outcome"], _num(result["seconds"], 1), figures])
-    lines = ["## CUDA tests (tests/test_cuda_path.py)", "", *_table(["test", "outcome", "s", "figures"], rows)]
+    lines = [
+        "## CUDA tests (tests/worker/cuda/test_cuda_path.py)",
+        "",
+        *_table(["test", "outcome", "s", "figures"], rows),
+    ]
     for name, message in failures.items():
         lines += ["", f"- **{name}**: `{message.strip().splitlines()[0] if message.strip() else 'failed'}`"]
     return lines

@@ -2,7 +2,7 @@
 
 Built on first use, not at import: Triton's CPU interpreter must be switched on (TRITON_INTERPRET=1)
 before triton is first imported, and a CPU worker never needs triton at all. CUDA tensors run the
-compiled kernels; CPU tensors run them in the interpreter (tests/test_paged_decode_interpret.py).
+compiled kernels; CPU tensors run them in the interpreter (tests/worker/cuda/test_paged_decode_interpret.py).
 """
 
 from __future__ import annotations

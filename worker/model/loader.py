@@ -119,7 +119,7 @@ def load_model(
     # The measured choice (weight_choice.py) stays off until its tiered weights pass the reference and
     # quality tests: prefill on dense bf16 copies changes the default model's greedy answers ("What is the
     # capital of France?" starts "L'Étoile" instead of "The capital of France is Paris": the bfloat16/none
-    # tie of docs/weight-modes.md, tests/test_serve.py). The int8 output head, and dense copies only from
+    # tie of docs/weight-modes.md, tests/system/test_serve.py). The int8 output head, and dense copies only from
     # DENSE_FROM_ROWS rows (no short prompt's step reaches them), keep them.
     auto_cpu = tiered_cpu_weights(dtype, quant, torch_device)
     torch_dtype, quant = resolve_weight_mode(dtype, quant, torch_device)

@@ -9,11 +9,11 @@ they are measured, not assumed: one layer's linear shapes of the model being loa
 each candidate at 1 to 32 rows, best of a few runs (about a second), on one thread and timed by that
 thread's CPU time, so that other processes on the cores do not decide the choice.
 
-Every candidate meets the quality bar of docs/weight-modes.md (tests/test_reference.py): int4 and
+Every candidate meets the quality bar of docs/weight-modes.md (tests/worker/model/test_reference.py): int4 and
 dense bfloat16 with a mean KL from float32 below 0.005, int8 below 0.015. int4 is preferred unless
 int8 is clearly faster, being 4x closer to float32. The output head runs on int8 weights (per row)
 for small steps, which keeps int4 within its bar (mean KL 0.0023 with the head in int8, 0.0011
-without; tests/test_weight_choice.py), and on packed bfloat16 for large ones.
+without; tests/worker/model/test_weight_choice.py), and on packed bfloat16 for large ones.
 
 The dense copies cost 2 bytes per weight on top of the quantized ones, so they are kept only when
 they take at most DENSE_MEMORY_SHARE of the memory available at start-up; otherwise every step runs

@@ -1,0 +1,182 @@
+"""Support for tests/system/test_sentinel.py: a real Sentinel set (one primary, one replica, three
+sentinels, all local TCP servers of one binary, the sentinels being `redis-server --sentinel`)
+with timeouts short enough that a failover takes seconds, and a fault_support `Stack` of lmq
+processes whose `REDIS_URL` is the set's `redis+sentinel://` URL.
+
+With `tls=ServerTls(...)` (lmq/redis_server.py) every server of the set listens over TLS only:
+the primary and the replica on their TLS ports, replicating over TLS, and the sentinels on their
+own `tls-port`, reaching the servers and each other over TLS; `url` is then `rediss+sentinel://`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import redis
+from redis.exceptions import RedisError
+
+from lmq.redis_server import EmbeddedRedis, ServerTls, find_redis_server, free_tcp_port
+from protocol.redis_client import connect_sync
+from tests.support.process_stack import Processes, Stack, StackSpec, eventually
+
+SERVICE = "mymaster"
+QUORUM = 2
+DOWN_AFTER_MS = 1000  # a primary silent this long is down for a sentinel
+FAILOVER_TIMEOUT_MS = 3000  # a failover not done by then is retried (by another sentinel)
+READY_TIMEOUT_S = 30.0  # sentinels find each other through the primary's hello channel, every 2 s
+FAILOVER_WAIT_S = 30.0
+
+
+class SentinelSet:
+    """`start()`, then `url`; `kill_primary()` and `wait_failover()` for the fault; `close()`."""
+
+    def __init__(self, root: Path, kind: str | None = None, *, server: str | None = None, tls: ServerTls | None = None):
+        self.root = root
+        self.server = server or find_redis_server(kind)
+        self.tls = tls
+        self.primary = EmbeddedRedis(root / "primary", port=free_tcp_port(), server=self.server, tls=tls)
+        self.replica = EmbeddedRedis(root / "replica", port=free_tcp_port(), server=self.server, tls=tls)
+        self.sentinel_ports = [free_tcp_port() for _ in range(3)]
+        self.processes = Processes(root / "sentinel-logs")
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        if self.tls:
+            return f"rediss+sentinel://{hosts}/{SERVICE}/0?{self.tls.url_query()}"
+        return f"redis+sentinel://{hosts}/{SERVICE}/0"
+
+    def client(self, port: int, **options) -> redis.Redis:
+        """A plain client of the server or sentinel on `port` (over TLS in a TLS set)."""
+        return redis.Redis(port=port, **(self.tls.client_kwargs() if self.tls else {}), **options)
+
+    def start(self) -> SentinelSet:
+        self.primary.start()
+        self.replica.start()
+        with self.client(self.replica.port) as replica:
+            replica.replicaof("127.0.0.1", self.primary.port)
+            _poll(
+                lambda: replica.info("replication").get("master_link_status") == "up",
+                "the replica in sync",
+                READY_TIMEOUT_S,
+            )
+        for index, port in enumerate(self.sentinel_ports):
+            self._start_sentinel(index, port)
+        _poll(
+            self.ready,
+            "three sentinels that see the primary, the replica and each other",
+            READY_TIMEOUT_S,
+            self.log_tails,
+        )
+        return self
+
+    def _start_sentinel(self, index: int, port: int) -> None:
+        directory = self.root / f"sentinel-{index}"
+        directory.mkdir(parents=True, exist_ok=True)
+        config = directory / "sentinel.conf"  # the sentinel rewrites it: its own file, writable
+        listen = f"port {port}\n"
+        if self.tls:  # the same options as the servers': sentinel.conf lines are the command line's without "--"
+            options = self.tls.server_args()
+            listen = f"port 0\ntls-port {port}\n" + "".join(
+                f"{name[2:]} {value}\n" for name, value in zip(options[::2], options[1::2])
+            )
+        config.write_text(
+            f"{listen}bind 127.0.0.1\ndir {directory}\n"
+            f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} {QUORUM}\n"
+            f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
+            f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
+        )
+        self.processes.start(f"sentinel-{index}", [self.server, str(config), "--sentinel"], dict(os.environ))
+
+    def _ask(self, port: int, *command: str):
+        with self.client(port, socket_timeout=2, socket_connect_timeout=2, decode_responses=True) as sentinel:
+            return sentinel.execute_command(*command)
+
+    def primary_port(self, sentinel_port: int) -> int | None:
+        address = self._ask(sentinel_port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+        return int(address[1]) if address else None
+
+    def ready(self) -> bool:
+        for port in self.sentinel_ports:
+            state = _pairs(self._ask(port, "SENTINEL", "MASTER", SERVICE))
+            if int(state["num-slaves"]) < 1 or int(state["num-other-sentinels"]) < 2 or "s_down" in state["flags"]:
+                return False
+        return True
+
+    def kill_primary(self) -> None:
+        """SIGKILL, as a crash of the primary's host."""
+        self.primary.kill()
+
+    async def wait_failover(self, timeout: float = FAILOVER_WAIT_S) -> None:
+        """Until every sentinel names the replica as the primary and it answers as one."""
+
+        def role(server: EmbeddedRedis) -> str:
+            with self.client(server.port, socket_timeout=2) as client:
+                return client.info("replication")["role"]
+
+        def promoted() -> bool:
+            if any(self.primary_port(port) != self.replica.port for port in self.sentinel_ports):
+                return False
+            return role(self.replica) == "master"
+
+        await eventually(promoted, "the sentinels to promote the replica", timeout)
+
+    def log_tails(self, lines: int = 8) -> str:
+        parts = []
+        for name in list(self.processes.running):
+            parts.append(f"--- {name}\n" + "\n".join(self.processes.log_text(name).splitlines()[-lines:]))
+        for name, server in (("primary", self.primary), ("replica", self.replica)):
+            text = server.log_path.read_text(errors="replace").splitlines() if server.log_path.exists() else []
+            parts.append(f"--- {name}\n" + "\n".join(text[-lines:]))
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        """SIGKILL all: a primary stopped by SIGTERM would wait for its replica to catch up."""
+        self.processes.kill_all()
+        self.replica.kill()
+        self.primary.kill()
+
+
+class SentinelStack(Stack):
+    """fault_support's Stack of gateways and workers, on a SentinelSet instead of one Redis: its
+    processes get the set's `redis+sentinel://` URL and its `admin` client follows failovers too
+    (Stack's constructor would start a Redis)."""
+
+    def __init__(self, sentinels: SentinelSet, spec: StackSpec, root: Path, model_dir: Path):
+        self.sentinels = sentinels
+        admin = connect_sync(sentinels.url, socket_timeout=5, socket_connect_timeout=2)
+        self._attach(spec, root, model_dir, sentinels.primary, admin, sentinels.url)
+
+    def redis_alive(self) -> bool:
+        try:
+            return bool(self.admin.ping())
+        except RedisError:
+            return False
+
+    def log_tails(self, names: list[str] | None = None, lines: int = 25) -> str:
+        return super().log_tails(names, lines) + "\n" + self.sentinels.log_tails()
+
+    def close(self) -> None:
+        self.processes.kill_all()
+        self.admin.close()
+
+
+def _pairs(flat: list) -> dict:
+    if isinstance(flat, dict):
+        return flat
+    return dict(zip(flat[::2], flat[1::2]))
+
+
+def _poll(check, what: str, timeout: float, details=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}\n{details()}")
+        time.sleep(0.1)
