@@ -32,7 +32,6 @@ from protocol.keys import BATCH, INTERACTIVE
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from worker import compute_thread
 from worker.cancel_memory import CancelMemory
-from worker.chat_render import tool_calls_grammar
 from worker.claims import Entry, RequestStreams, is_missing_group, model_lanes
 from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
@@ -361,15 +360,12 @@ class Worker:
             tools=request.tools,
             continue_final=request.continue_final,
         )
-        constraint = request.constraint
-        if constraint is not None and constraint["type"] == "tool_calls":
-            constraint = tool_calls_grammar(constraint["tools"], constraint.get("parallel", True))
         work = GenRequest(
             request.id,
             prompt_ids,
             request.sampling,
             generated_ids=streamed,
-            constraint=constraint,
+            constraint=request.constraint,
             logprobs=request.logprobs,
             priority=request.priority,
         )
