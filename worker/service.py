@@ -41,6 +41,7 @@ from worker.metrics import WorkerMetrics
 from worker.model.loader import LoadedModel, load_model
 from worker.prompt import PromptTooLong, build_prompt_ids
 from worker.publisher import Publisher
+from worker.reasoning_budget import thinking_of
 from worker.tasks import answer_task
 from worker.tracking import RequestTable
 
@@ -359,7 +360,9 @@ class Worker:
             truncate=request.truncate,
             tools=request.tools,
             continue_final=request.continue_final,
+            template_kwargs=request.template_kwargs,
         )
+        thinking = thinking_of(self.model, prompt_ids) if request.messages is not None else None
         work = GenRequest(
             request.id,
             prompt_ids,
@@ -368,9 +371,11 @@ class Worker:
             constraint=request.constraint,
             logprobs=request.logprobs,
             priority=request.priority,
+            thinking=thinking,
+            reasoning_budget=request.reasoning_budget,
         )
         self.engine.add(work)
-        self.table.start(request, entry_id, len(streamed), len(prompt_ids))
+        self.table.start(request, entry_id, len(streamed), len(prompt_ids), thinking)
         resumed = f", resuming after {len(streamed)} streamed tokens" if streamed else ""
         log.info(
             "request_id=%s started: %d prompt tokens%s",

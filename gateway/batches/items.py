@@ -77,7 +77,7 @@ def _message_request(gateway: Gateway, body: dict[str, Any], request_id: str) ->
     model = required_str(body, "model")
     sampling = anthropic.parse_sampling(body, gateway.config.sampling_default_fields)
     plan = tool_calls.anthropic_plan(body)
-    chat = anthropic.parse_messages(body)
+    chat = anthropic.parse_messages(body, gateway.config.thinking_secret)
     return new_request(
         gateway, request_id, model, sampling,
         messages=chat, tools=plan.tools, constraint=plan.constraint, continue_final=anthropic.continues_answer(chat),
