@@ -105,12 +105,13 @@ class Thinking:
     """One generation's thinking, as the gateway relays it (gateway/generation.py): every delta is all
     answer until the worker's `started` event says the answer thinks (its `reasoning` map); from then on
     each is split, the reasoning kept whole for the `done` and its tokens counted (a delta's tokens count
-    when it began or ended inside the block, its tags included)."""
+    when it began or ended inside the block, its tags and blank space before the opening one included)."""
 
     def __init__(self) -> None:
         self._split: ReasoningSplit | None = None
         self._reasoning: list[str] = []
         self.tokens = 0
+        self._undecided = 0
 
     def started(self, event: dict) -> None:
         tags = event.get("reasoning")
@@ -123,7 +124,12 @@ class Thinking:
         inside = self._split.thinking
         piece = self._split.feed(text)
         if inside or self._split.thinking:
-            self.tokens += tokens
+            self.tokens += tokens + self._undecided
+            self._undecided = 0
+        elif self._split.state == BEFORE:
+            self._undecided += tokens  # blank space or the tag's beginning: thinking if the tag completes
+        else:
+            self._undecided = 0
         self._reasoning.append(piece.reasoning)
         return piece
 

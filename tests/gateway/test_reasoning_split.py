@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.reasoning import ReasoningSplit
+from gateway.reasoning import ReasoningSplit, Thinking
 
 # Outputs recorded from real models (greedy, llama-server --reasoning-format none), and what each
 # must split into: (open: the prompt opened the block, output, reasoning, answer).
@@ -73,3 +73,13 @@ def test_text_before_a_possible_tag_is_the_answer_once_it_cannot_be_one() -> Non
     split = ReasoningSplit()
     assert split.feed("  <th").content == ""
     assert split.feed("ere").content == "  <there"
+
+
+def test_the_thinking_tokens_are_those_of_the_block_tags_included() -> None:
+    thinking = Thinking()
+    thinking.started({"reasoning": {"start": "<think>", "end": "</think>", "open": False}})
+    for text in ["\n", "<thi", "nk>", "Hm.", "</think>", "\n\nFour", "."]:
+        thinking.feed(text, 1)
+    assert (thinking.tokens, thinking.text) == (5, "Hm.")
+    plain = Thinking()  # the worker said nothing: the answer does not think
+    assert plain.feed("<think>x</think>y", 3).content == "<think>x</think>y" and plain.tokens == 0
