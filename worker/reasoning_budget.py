@@ -58,10 +58,12 @@ def thinking_of(model: LoadedModel, prompt_ids: Sequence[int]) -> Thinking | Non
     if not template_thinks(model.chat_template.source):
         return None
     tail = model.tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
-    opened, closed = tail.rfind(START), tail.rfind(END)
-    if closed > opened:
+    last = max(tail.rfind(START), tail.rfind(END))  # a tag followed by more text is an earlier turn's
+    if last < 0 or tail[last:].rstrip() not in (START, END):
+        return Thinking(START, END, open=False)
+    if tail[last:].startswith(END):
         return None  # this turn's block is already written (and empty): it does not think
-    return Thinking(START, END, open=opened >= 0 and not tail[opened + len(START) :].strip())
+    return Thinking(START, END, open=True)
 
 
 class ThinkingBudget:

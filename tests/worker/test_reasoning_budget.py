@@ -13,7 +13,7 @@ from worker.engine import GenRequest
 from worker.model.chat_template import ChatTemplate
 from worker.model.loader import LoadedModel
 from worker.prompt import build_prompt_ids
-from worker.reasoning_budget import CLOSING, Thinking, thinking_of
+from worker.reasoning_budget import CLOSING, PROMPT_TAIL_TOKENS, Thinking, thinking_of
 from worker.stub_model import stub_model
 
 TEMPLATES = pathlib.Path(__file__).parent / "model" / "chat_templates"
@@ -36,6 +36,9 @@ def test_the_template_says_whether_and_how_the_answer_thinks(tiny: LoadedModel) 
     assert _thinking(qwq) == Thinking("<think>", "</think>", open=True)  # the prompt opened it
     assert _thinking(qwen3, enable_thinking=False) is None  # the template wrote an empty block: no thinking
     assert _thinking(tiny) is None  # a template without <think>
+    earlier = qwen3.tokenizer.encode("</think>4<|im_end|>\n", add_special_tokens=False).ids
+    assert len(earlier) <= PROMPT_TAIL_TOKENS
+    assert thinking_of(qwen3, earlier) == Thinking("<think>", "</think>", open=False)  # an earlier turn's tags
 
 
 def _thinker(tiny: LoadedModel) -> tuple[LoadedModel, str]:
