@@ -151,8 +151,8 @@ def parse_thinking(body: dict[str, Any], max_tokens: int | None) -> dict[str, An
     if not isinstance(thinking, dict) or thinking.get("type") != "enabled" or set(thinking) - {"type", "budget_tokens"}:
         raise invalid("thinking", 'must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
     most = MAX_TOKENS_LIMIT if max_tokens is None else max_tokens - 1
-    budget = optional_int(thinking, "budget_tokens", 1, max(most, 1))
-    if budget is None or budget > most:
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= most:
         raise invalid("thinking.budget_tokens", f"must be an integer from 1 to max_tokens - 1 ({most})")
     return {"template_kwargs": {"enable_thinking": True}, "reasoning_budget": budget}
 

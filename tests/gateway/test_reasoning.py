@@ -210,3 +210,19 @@ async def test_a_qwen3_thinking_budget_is_closed_by_the_worker(qwen3_url, tiny_q
     cut, cut_tokens = await thinking(4)
     assert free_tokens > 4  # left alone, this model thinks longer than the budget
     assert free.startswith(cut) and cut_tokens <= 4  # the worker closed it after 4 tokens
+
+
+@pytest.mark.slow
+async def test_llama_cpp_servers_thinking_case_on_the_real_default_model(redis_url, default_model):
+    # llama.cpp test_compat_anthropic.py::test_anthropic_thinking, verbatim: a model that does not think.
+    body = {
+        "model": REAL_MODEL,
+        "max_tokens": 100,
+        "thinking": {"type": "enabled", "budget_tokens": 50},
+        "messages": [{"role": "user", "content": "What is 2+2?"}],
+    }
+    async with real_worker(redis_url, default_model, kv_memory="64MiB"), running_gateway(redis_url) as url:
+        async with aiohttp.ClientSession() as http, http.post(url + "/v1/messages", json=body) as response:
+            status, answer = response.status, await response.json()
+    assert status == 200 and answer["type"] == "message"
+    assert [block["type"] for block in answer["content"]] == ["text"]
