@@ -27,6 +27,7 @@ from gateway import anthropic as anthropic_api
 from gateway import openai as openai_api
 from tests.support.gateway_harness import MODEL, REAL_MODEL, real_worker, running_gateway, worker_running
 from tests.support.tiny_families import FAMILY_BY_NAME, make_family_model
+from worker.model.chat_template import ChatTemplate
 from worker.model.loader import LoadedModel, load_model
 
 QUESTION = [{"role": "user", "content": "What is 2+2?"}]
@@ -210,6 +211,20 @@ async def test_a_qwen3_thinking_budget_is_closed_by_the_worker(qwen3_url, tiny_q
     cut, cut_tokens = await thinking(4)
     assert free_tokens > 4  # left alone, this model thinks longer than the budget
     assert free.startswith(cut) and cut_tokens <= 4  # the worker closed it after 4 tokens
+
+
+async def test_an_answer_that_begins_inside_the_thinking_is_split_too(redis_url, tiny_qwen3, monkeypatch):
+    # QwQ's template (like DeepSeek-R1's) opens the block in the prompt: the output only closes it.
+    qwq = (QWEN3_TEMPLATE.parent / "Qwen-QwQ-32B.jinja").read_text(encoding="utf-8")
+    model = dataclasses.replace(tiny_qwen3, chat_template=ChatTemplate(qwq, eos_token="<|im_end|>"))
+    script = {"type": "regex", "pattern": r"[ ok]{1,20}\n</think>\n\nParis\."}
+    monkeypatch.setattr(openai_api, "parse_response_format", lambda body: script)
+    async with real_worker(redis_url, model, kv_memory="16MiB"), running_gateway(redis_url) as url:
+        answer = await _openai(url).chat.completions.create(
+            model=REAL_MODEL, messages=QUESTION, max_tokens=60, temperature=0
+        )
+    message = answer.choices[0].message
+    assert message.content == "Paris." and re.fullmatch(r"[ok][ ok]*", message.reasoning_content)
 
 
 @pytest.mark.slow
