@@ -60,6 +60,12 @@ class GatewayConfig:
         default=10.0,
         metadata={"help": "seconds a write may wait for a client that stopped reading before its stream is cut"},
     )
+    thinking_secret: str = field(
+        default="",
+        metadata={
+            "help": "signs Anthropic thinking blocks (HMAC-SHA256) so they verify when clients send them back; the same on every gateway; empty = a random one per gateway process"
+        },
+    )
     rate_limit_requests: int = field(
         default=0,
         metadata={

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from protocol import Reply, Request, delta_event, done_event, error_event, started_event
 from worker.engine import SeqOutput
 from worker.publisher import Publisher
+from worker.reasoning_budget import Thinking
 from worker.request_spans import RequestSpans
 
 log = logging.getLogger(__name__)
@@ -47,16 +48,25 @@ class RequestTable:
         self.running: dict[str, Running] = {}
         self._publishing: dict[str, RequestSpans] = {}  # entry id -> spans of an ended request until its write is done
 
-    def start(self, request: Request, entry_id: str, already_streamed: int, prompt_tokens: int) -> None:
-        """A request that asks to be announced gets `started` (seq 0) from its first run. A dead worker
-        sent that and at most one delta per streamed token, so a re-run's seq numbers start above them."""
+    def start(
+        self,
+        request: Request,
+        entry_id: str,
+        already_streamed: int,
+        prompt_tokens: int,
+        thinking: Thinking | None = None,
+    ) -> None:
+        """A request that asks to be announced gets `started` (seq 0) from its first run, saying how its
+        answer thinks, if it does. A dead worker sent that and at most one delta per streamed token, so
+        a re-run's seq numbers start above them."""
         spans = RequestSpans(request, entry_id, self.publisher.consumer, already_streamed)
         first_seq = already_streamed + 1 if request.announce else already_streamed
         self.running[request.id] = Running(
             request, entry_id, next_seq=first_seq, streamed=already_streamed, spans=spans
         )
         if request.announce and not already_streamed:
-            self.publisher.send(entry_id, request.reply, started_event(request.id, 0, prompt_tokens))
+            reasoning = thinking.event_field() if thinking is not None else None
+            self.publisher.send(entry_id, request.reply, started_event(request.id, 0, prompt_tokens, reasoning))
 
     def answer(self, entry_id: str, request: Request, event: dict) -> None:
         """A request answered at once with one event (a tokenize task): sent, and its entry finished."""
