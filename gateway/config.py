@@ -91,6 +91,10 @@ class GatewayConfig:
     batch_window_seconds: float = field(
         default=86_400.0, metadata={"help": "seconds a batch may take before its unfinished items expire (`24h`)"}
     )
+    response_ttl: float = field(
+        default=86_400.0,
+        metadata={"help": "seconds a stored Responses API response (`store`, the default) is kept after it ends"},
+    )
     gateway_id: str = field(
         default_factory=lambda: uuid.uuid4().hex[:12],
         metadata={"help": "unique id; names this gateway's reply channel"},
