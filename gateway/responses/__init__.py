@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from ..auth import load_api_keys
 from ..context import GATEWAY
+from ..rate_limits import RateLimiter, load_limits
 from . import api
 from .background import SCAN_S, BackgroundRunner
 from .store import ResponseStore
@@ -23,7 +25,12 @@ def add_response_routes(app: web.Application) -> None:
     """The endpoints, and the background runner for the application's lifetime (needs `app[GATEWAY]`)."""
     gateway = app[GATEWAY]
     store = ResponseStore(gateway.redis, gateway.shards.home, int(gateway.config.response_ttl))
-    app[api.RESPONSES] = api.Responses(store, BackgroundRunner(gateway, store))
+    limiter = (
+        RateLimiter(gateway.redis, load_limits(gateway.config), gateway.metrics)
+        if load_api_keys(gateway.config)
+        else None
+    )
+    app[api.RESPONSES] = api.Responses(store, BackgroundRunner(gateway, store, limiter))
     app.cleanup_ctx.append(_running)
     router = app.router
     router.add_post("/v1/responses", api.create)

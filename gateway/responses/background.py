@@ -35,6 +35,7 @@ import protocol
 from ..context import Gateway
 from ..errors import ApiError
 from ..generation import Done, Usage
+from ..rate_limits import RateLimiter
 from ..tool_calls import ToolPlan
 from .builder import ResponseBuilder
 from .conversation import output_messages
@@ -49,9 +50,10 @@ LATE_S = 30.0  # past its deadline by this much, a response no worker answers en
 
 
 class BackgroundRunner:
-    def __init__(self, gateway: Gateway, store: ResponseStore):
+    def __init__(self, gateway: Gateway, store: ResponseStore, limiter: RateLimiter | None = None):
         self.gateway = gateway
         self.store = store
+        self.limiter = limiter  # the per-key limits, on a gateway with keys: a response's tokens count to its key
         self.me = gateway.config.gateway_id
         self._drivers: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
@@ -99,7 +101,7 @@ class BackgroundRunner:
     async def _drive(self, response_id: str) -> None:
         log.info("driving background response %s", response_id)
         try:
-            await Driver(self.gateway, self.store, self.me, response_id).run()
+            await Driver(self.gateway, self.store, self.me, response_id, self.limiter).run()
         except RedisError as exc:
             log.warning("response %s: redis: %s; handing it back", response_id, exc)
             await asyncio.sleep(1.0)
@@ -111,8 +113,11 @@ class BackgroundRunner:
 class Driver:
     """One background response, while this gateway holds its lease."""
 
-    def __init__(self, gateway: Gateway, store: ResponseStore, me: str, response_id: str):
+    def __init__(
+        self, gateway: Gateway, store: ResponseStore, me: str, response_id: str, limiter: RateLimiter | None = None
+    ):
         self.gateway = gateway
+        self.limiter = limiter
         self.store = store
         self.me = me
         self.id = response_id
@@ -207,6 +212,8 @@ class Driver:
     async def _end(self, record: dict[str, str], builder: ResponseBuilder) -> None:
         history = json.loads(record.get("history") or "[]") + output_messages(builder.output)
         await self.store.end(self.id, {"state": builder.status, "response": builder.response(), "history": history})
+        if self.limiter is not None and builder.usage is not None:  # after the end: charged at most once
+            await self.limiter.charge_owner(record.get("owner", ""), builder.usage["total_tokens"])
         log.info("background response %s %s", self.id, builder.status)
 
     async def _emit(self, events: list[dict[str, Any]]) -> None:

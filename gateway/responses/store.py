@@ -142,7 +142,7 @@ class ResponseStore:
 
     async def delete(self, response_id: str) -> None:
         pipe = await transaction(self.redis)
-        pipe.delete(self.key(response_id), self.key(response_id, "events"))
+        pipe.delete(self.key(response_id), self.key(response_id, "events"), self.reply_stream(response_id))
         pipe.srem(self.active_key, response_id)
         await pipe.execute()
 
