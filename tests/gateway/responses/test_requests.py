@@ -1,0 +1,99 @@
+"""What a Responses request becomes on the queue, and how a worker's answer and errors come back:
+a real gateway and Redis, a scripted worker (the exact protocol request is visible), the openai SDK."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+import protocol
+from tests.support.gateway_harness import MODEL, running_gateway, words_script, worker_running
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+@pytest.fixture
+async def redis(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def sdk(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_items_tools_and_a_named_call_on_the_queue_and_back(redis_url, redis):
+    history = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Rome is sunny."}]},
+        {"role": "user", "content": "And Paris?"},
+    ]
+    async with (
+        worker_running(redis, words_script(['{"city": ', '"Paris"}'])) as received,
+        running_gateway(redis_url) as url,
+    ):
+        response = await sdk(url).responses.create(
+            model=MODEL, instructions="Be brief.", input=history, tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=20, temperature=0,
+        )  # fmt: skip
+    [request] = received
+    assert request.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "Rome is sunny."},
+        {"role": "user", "content": "And Paris?"},
+    ]
+    assert request.tools == [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["parameters"]}}
+    ]
+    assert request.constraint == {"type": "json_schema", "schema": WEATHER["parameters"]}
+    assert request.sampling.max_tokens == 20 and request.sampling.temperature == 0
+    [call] = response.output
+    assert call.type == "function_call" and call.arguments == '{"city": "Paris"}' and call.status == "completed"
+    assert response.tool_choice.name == "get_weather" and response.tools[0].name == "get_weather"
+
+
+async def test_a_worker_error_mid_stream_fails_the_response_and_a_refusal_is_a_400(redis_url, redis):
+    def script(request: protocol.Request) -> list[list[dict]]:
+        if request.messages[-1]["content"] == "refuse":
+            return [[protocol.error_event(request.id, 0, "prompt_too_long", "the prompt is too long")]]
+        return [
+            [protocol.started_event(request.id, 0, 5), protocol.delta_event(request.id, 1, "Hel", [1], 0)],
+            [protocol.error_event(request.id, 2, "internal", "the worker failed")],
+        ]
+
+    async with worker_running(redis, script), running_gateway(redis_url) as url:
+        client = sdk(url)
+        async with client.responses.stream(model=MODEL, input="go") as stream:
+            events = [event async for event in stream]
+        assert [event.type for event in events][-3:] == [
+            "response.content_part.done", "response.output_item.done", "response.failed"
+        ]  # fmt: skip
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error.message == "the worker failed"
+        assert failed.output[0].content[0].text == "Hel" and failed.output[0].status == "incomplete"
+        assert (await client.responses.retrieve(failed.id)).status == "failed"  # stored as it ended
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.responses.create(model=MODEL, input="refuse", stream=stream)
+            assert "too long" in refused.value.message
