@@ -48,6 +48,25 @@ def responses_of(request: web.Request) -> Responses:
     return request.app[RESPONSES]
 
 
+@dataclasses.dataclass
+class Turn:
+    """One response being made: its checked request, its builder, its owner, and the conversation
+    it continues (the stored history and this request's input; its own output is added when kept)."""
+
+    params: ResponseParams
+    builder: ResponseBuilder
+    owner: str
+    conversation: list[dict[str, Any]]
+
+    async def keep(self, store: ResponseStore) -> None:
+        """Store the ended response, with `store` (the API's default)."""
+        if self.params.store:
+            builder = self.builder
+            history = self.conversation + output_messages(builder.output)
+            fields = {"owner": self.owner, "state": builder.status, "response": builder.response(), "history": history}
+            await store.save(builder.id, fields)
+
+
 # ---------------------------------------------------------------- POST /v1/responses
 
 
@@ -64,9 +83,9 @@ async def create(request: web.Request) -> web.StreamResponse:
         truncate=params.truncate,
     )  # fmt: skip
     builder = ResponseBuilder(response_id, params.echo | {"model": model}, params.plan, time.time())
-    conversation = history + input_messages(params.input)  # what the next turn continues, this one's output to come
+    turn = Turn(params, builder, owner, history + input_messages(params.input))
     if params.background:
-        await _start_background(gateway, responses, work, builder, params, owner, conversation)
+        await _start_background(gateway, responses, work, turn)
         if not params.stream:
             return web.json_response(builder.response())
         return await sse.relay_in_stream(
@@ -78,21 +97,13 @@ async def create(request: web.Request) -> web.StreamResponse:
     async with Generation(gateway, work, API) as generation:
         if not params.stream:
             await _generate(generation, builder)
-            await _keep(responses.store, params, builder, owner, conversation)
+            await turn.keep(responses.store)
             return web.json_response(builder.response())
         await generation.admitted(gateway.config.admission_wait)
+        keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
             request,
-            lambda response: _relay(
-                response,
-                generation,
-                builder,
-                gateway.config.keepalive_seconds,
-                params,
-                responses.store,
-                owner,
-                conversation,
-            ),
+            lambda response: _relay(response, generation, turn, responses.store, keepalive),
             openai_error_body,
             gateway.metrics.errors,
         )
@@ -132,9 +143,10 @@ async def _generate(generation: Generation, builder: ResponseBuilder) -> None:
 
 
 async def _relay(
-    response: web.StreamResponse, generation: Generation, builder: ResponseBuilder, keepalive: float,
-    params: ResponseParams, store: ResponseStore, owner: str, conversation: list[dict[str, Any]],
-) -> None:  # fmt: skip
+    response: web.StreamResponse, generation: Generation, turn: Turn, store: ResponseStore, keepalive: float
+) -> None:
+    """The events as they come; a worker's error after the first is the response's `failed` end."""
+    builder = turn.builder
     for event in builder.start():
         await _send(response, event)
     try:
@@ -148,32 +160,16 @@ async def _relay(
     except ApiError as error:
         for event in builder.fail(error):
             await _send(response, event)
-    await _keep(store, params, builder, owner, conversation)
+    await turn.keep(store)
 
 
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
     await sse.send(response, event, event=event["type"])
 
 
-async def _keep(
-    store: ResponseStore,
-    params: ResponseParams,
-    builder: ResponseBuilder,
-    owner: str,
-    conversation: list[dict[str, Any]],
-) -> None:
-    if params.store:
-        history = conversation + output_messages(builder.output)
-        await store.save(
-            builder.id, {"owner": owner, "state": builder.status, "response": builder.response(), "history": history}
-        )
-
-
-async def _start_background(
-    gateway: Gateway, responses: Responses, work: protocol.Request, builder: ResponseBuilder,
-    params: ResponseParams, owner: str, conversation: list[dict[str, Any]],
-) -> None:  # fmt: skip
-    """Store the queued response with its request (events to a durable reply stream) and enqueue it."""
+async def _start_background(gateway: Gateway, responses: Responses, work: protocol.Request, turn: Turn) -> None:
+    """Store the queued response with its request (events to a durable reply stream), enqueue it,
+    and wake this gateway's runner to drive it."""
     if await gateway.queue.waiting(work.model) >= gateway.config.max_queue:
         raise ApiError(
             429,
@@ -181,7 +177,7 @@ async def _start_background(
             code="overloaded",
             retry_after=gateway.config.retry_after,
         )
-    store, token = responses.store, secrets.token_hex(16)
+    store, builder, token = responses.store, turn.builder, secrets.token_hex(16)
     work = dataclasses.replace(
         work,
         reply=protocol.Reply("stream", store.reply_stream(builder.id)),
@@ -189,10 +185,10 @@ async def _start_background(
     )
     builder.start(queued=True)
     record = {
-        "owner": owner, "state": "running", "background": "1", "model": work.model, "msg": work.encode(),
+        "owner": turn.owner, "state": "running", "background": "1", "model": work.model, "msg": work.encode(),
         "cancel_token": token, "deadline": repr(work.deadline), "created_at": repr(builder.created_at),
-        "echo": builder.echo, "plan": dataclasses.asdict(params.plan), "response": builder.response(),
-        "history": conversation,
+        "echo": builder.echo, "plan": dataclasses.asdict(turn.params.plan), "response": builder.response(),
+        "history": turn.conversation,
     }  # fmt: skip
     await store.save(builder.id, record, active=True)
     await store.enqueue(builder.id, store.home.request_stream(work.model))

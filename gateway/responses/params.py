@@ -21,7 +21,15 @@ from .. import tool_calls
 from ..config import GatewayConfig
 from ..errors import ApiError
 from ..tool_calls import ToolPlan
-from ..validate import invalid, optional_bool, optional_int, optional_number, required_str, sampling_params
+from ..validate import (
+    invalid,
+    optional_bool,
+    optional_int,
+    optional_number,
+    refuse_unknown,
+    required_str,
+    sampling_params,
+)
 from .conversation import input_messages
 
 SUPPORTED = {
@@ -66,13 +74,6 @@ class ResponseParams:
 
 def given(body: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in body.items() if value is not None}
-
-
-def refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
-    unknown = sorted(name for name in body if name not in known)
-    if unknown:
-        others = f" (nor {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
-        raise invalid(unknown[0], f"lmq does not support the parameter {unknown[0]!r}{others}")
 
 
 def parse_request(body: dict[str, Any], config: GatewayConfig) -> ResponseParams:
