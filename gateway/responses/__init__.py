@@ -37,6 +37,7 @@ def add_response_routes(app: web.Application) -> None:
     router.add_post("/v1/responses/input_tokens", api.input_tokens)
     router.add_get("/v1/responses/{response_id}", api.retrieve)
     router.add_delete("/v1/responses/{response_id}", api.delete)
+    router.add_get("/v1/responses/{response_id}/input_items", api.input_items)
     router.add_post("/v1/responses/{response_id}/cancel", api.cancel)
 
 

@@ -1,5 +1,6 @@
 """The handlers: POST /v1/responses (whole, streamed, or in the background), GET / DELETE
-/v1/responses/{id}, POST /v1/responses/{id}/cancel, POST /v1/responses/input_tokens.
+/v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel,
+POST /v1/responses/input_tokens.
 
 A request reads as the chat path's: check the body (params.py), build one protocol request from
 the conversation (the stored one continued, for previous_response_id), wait for a worker to admit
@@ -28,7 +29,7 @@ from ..generation import Delta, Generation, new_request
 from ..validate import read_json_object
 from .background import BackgroundRunner, withdraw
 from .builder import TERMINAL_EVENTS, ResponseBuilder
-from .conversation import input_messages, output_messages
+from .conversation import input_messages, listed_items, output_messages
 from .params import ResponseParams, parse_count, parse_request
 from .store import ResponseStore, new_id
 
@@ -64,7 +65,7 @@ class Turn:
             builder = self.builder
             history = self.conversation + output_messages(builder.output)
             fields = {"owner": self.owner, "state": builder.status, "response": builder.response(), "history": history}
-            await store.save(builder.id, fields)
+            await store.save(builder.id, fields | {"input": listed_items(self.params.input, builder.id)})
 
 
 # ---------------------------------------------------------------- POST /v1/responses
@@ -188,7 +189,7 @@ async def _start_background(gateway: Gateway, responses: Responses, work: protoc
         "owner": turn.owner, "state": "running", "background": "1", "model": work.model, "msg": work.encode(),
         "cancel_token": token, "deadline": repr(work.deadline), "created_at": repr(builder.created_at),
         "echo": builder.echo, "plan": dataclasses.asdict(turn.params.plan), "response": builder.response(),
-        "history": turn.conversation,
+        "history": turn.conversation, "input": listed_items(turn.params.input, builder.id),
     }  # fmt: skip
     await store.save(builder.id, record, active=True)
     await store.enqueue(builder.id, store.home.request_stream(work.model))
@@ -284,6 +285,42 @@ async def cancel(request: web.Request) -> web.Response:
     await withdraw(responses.store, response_id, await responses.store.record(response_id))
     responses.runner.wake()
     return web.json_response(view(await responses.store.record(response_id) or record))
+
+
+async def input_items(request: web.Request) -> web.Response:
+    """The response's input items, a page at a time (`limit` 1-100, default 20; `order` desc by
+    default, as OpenAI lists them; `after` an item id)."""
+    _, record = await _owned(request)
+    items = json.loads(record.get("input") or "[]")
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, 'order: must be "asc" or "desc"', param="order")
+    if order == "desc":
+        items.reverse()
+    after = request.query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(404, f"after: no input item {after!r}", param="after")
+        items = items[ids.index(after) + 1 :]
+    limit = page_limit(request)
+    page = items[:limit]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
+
+
+def page_limit(request: web.Request) -> int:
+    text = request.query.get("limit", "20")
+    if not text.isdigit() or not 1 <= int(text) <= 100:
+        raise ApiError(400, "limit: must be a whole number from 1 to 100", param="limit")
+    return int(text)
 
 
 # ---------------------------------------------------------------- POST /v1/responses/input_tokens

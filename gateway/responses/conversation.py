@@ -48,6 +48,26 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return input_messages([item for item in output if item.get("type") in ("message", "function_call")])
 
 
+def listed_items(items: list[dict[str, Any]], response_id: str) -> list[dict[str, Any]]:
+    """A request's (checked) input items as GET /v1/responses/{id}/input_items lists them: each with
+    an id (its own, or one made from the response's and its place) and text content as parts."""
+    suffix = response_id.removeprefix("resp_")
+    listed = []
+    for index, item in enumerate(items):
+        item = {"type": "message", **item}
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[
+            item["type"]
+        ]
+        item.setdefault("id", f"{prefix}_{suffix}_in{index}")
+        if item["type"] == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = item.get("content")
+            item["content"] = [{"type": part, "text": content}] if isinstance(content, str) else content
+        item.setdefault("status", "completed")
+        listed.append(item)
+    return listed
+
+
 def _message(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
     role = item.get("role")
     if role not in ROLES:

@@ -40,10 +40,13 @@ async def test_items_tools_and_a_named_call_on_the_queue_and_back(redis_url, red
         worker_running(redis, words_script(['{"city": ', '"Paris"}'])) as received,
         running_gateway(redis_url) as url,
     ):
-        response = await sdk(url).responses.create(
+        client = sdk(url)
+        response = await client.responses.create(
             model=MODEL, instructions="Be brief.", input=history, tools=[WEATHER],
             tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=20, temperature=0,
         )  # fmt: skip
+        newest = await client.responses.input_items.list(response.id, limit=2)
+        oldest = [item async for item in client.responses.input_items.list(response.id, order="asc", limit=2)]
     [request] = received
     assert request.messages == [
         {"role": "system", "content": "Be brief."},
@@ -71,6 +74,11 @@ async def test_items_tools_and_a_named_call_on_the_queue_and_back(redis_url, red
     [call] = response.output
     assert call.type == "function_call" and call.arguments == '{"city": "Paris"}' and call.status == "completed"
     assert response.tool_choice.name == "get_weather" and response.tools[0].name == "get_weather"
+    assert [item.type for item in newest.data] == ["message", "message"] and newest.has_more
+    assert newest.data[0].content[0].text == "And Paris?" and newest.data[1].content[0].type == "output_text"
+    assert [item.type for item in oldest] == ["message", "function_call", "function_call_output", "message", "message"]
+    assert oldest[0].content[0].type == "input_text" and oldest[1].call_id == "call_1"
+    assert len({item.id for item in oldest}) == 5  # the SDK paged through them all by `after`
 
 
 async def test_a_worker_error_mid_stream_fails_the_response_and_a_refusal_is_a_400(redis_url, redis):
