@@ -214,7 +214,21 @@ class Driver:
         await self.store.end(self.id, {"state": builder.status, "response": builder.response(), "history": history})
         if self.limiter is not None and builder.usage is not None:  # after the end: charged at most once
             await self.limiter.charge_owner(record.get("owner", ""), builder.usage["total_tokens"])
+        self._count(record["model"], builder)
         log.info("background response %s %s", self.id, builder.status)
+
+    def _count(self, model: str, builder: ResponseBuilder) -> None:
+        """The response in this gateway's request metrics, once, at its end (a driver that died
+        counted nothing); untimed, since a driver that took it over did not see it start."""
+        metrics = self.gateway.metrics.request(model, "responses", timed=False)
+        usage = builder.usage
+        if usage is None:
+            metrics.ended("internal" if builder.status == "failed" else builder.status)  # cancelled
+            return
+        metrics.tokens(usage["output_tokens"])
+        metrics.done(
+            "length" if builder.status == "incomplete" else "stop", usage["input_tokens"], usage["output_tokens"]
+        )
 
     async def _emit(self, events: list[dict[str, Any]]) -> None:
         fresh = [event for event in events if event["sequence_number"] >= self.written]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -132,7 +133,17 @@ async def test_a_structured_stream_accumulates_to_the_final_response(stack):
     assert deltas == final.output_text
 
 
+async def ended_by_length(stack: Stack) -> float:
+    """lmq_requests_total of the module's gateway for responses that ended at max_output_tokens."""
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY_A}"}) as session:
+        async with session.get(stack.url + "/metrics") as reply:
+            metrics = await reply.text()
+    wanted = 'lmq_requests_total{api="responses",model="tiny",outcome="length"} '
+    return sum(float(line.removeprefix(wanted)) for line in metrics.splitlines() if line.startswith(wanted))
+
+
 async def test_background_survives_its_gateway_and_streams_again(stack):
+    before = await ended_by_length(stack)
     redis = aioredis.Redis.from_url(stack.redis_url)
     async with running_gateway(stack.redis_url, api_keys=KEYS) as other:
         queued = await client(other).responses.create(
@@ -161,6 +172,7 @@ async def test_background_survives_its_gateway_and_streams_again(stack):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == done.output_text
     later = await a.responses.retrieve(queued.id, stream=True, starting_after=len(events) - 2)
     assert [event.type async for event in later] == ["response.incomplete"]
+    assert await ended_by_length(stack) == before + 1  # counted once, by the gateway that ended it
 
 
 async def test_cancel_a_background_response(stack):
