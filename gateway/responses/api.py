@@ -81,9 +81,9 @@ async def create(request: web.Request) -> web.StreamResponse:
     work = new_request(
         gateway, response_id, model, params.sampling,
         messages=params.messages(history), tools=params.plan.tools, constraint=params.constraint,
-        truncate=params.truncate,
+        truncate=params.truncate, logprobs=params.logprobs,
     )  # fmt: skip
-    builder = ResponseBuilder(response_id, params.echo | {"model": model}, params.plan, time.time())
+    builder = ResponseBuilder(response_id, params.echo | {"model": model}, params.plan, time.time(), params.logprobs)
     turn = Turn(params, builder, owner, history + input_messages(params.input))
     if params.background:
         await _start_background(gateway, responses, work, turn)
@@ -138,7 +138,7 @@ async def _generate(generation: Generation, builder: ResponseBuilder) -> None:
     builder.start()
     async for event in generation.events():
         if isinstance(event, Delta):
-            builder.feed(event.text, _reasoning_of(event))
+            builder.feed(event.text, _reasoning_of(event), event.logprobs)
         elif event is not None:
             builder.finish(event)
 
@@ -155,7 +155,10 @@ async def _relay(
             if item is None:
                 await sse.send_comment(response, "waiting")
                 continue
-            events = builder.feed(item.text, _reasoning_of(item)) if isinstance(item, Delta) else builder.finish(item)
+            if isinstance(item, Delta):
+                events = builder.feed(item.text, _reasoning_of(item), item.logprobs)
+            else:
+                events = builder.finish(item)
             for event in events:
                 await _send(response, event)
     except ApiError as error:
@@ -190,6 +193,7 @@ async def _start_background(gateway: Gateway, responses: Responses, work: protoc
         "cancel_token": token, "deadline": repr(work.deadline), "created_at": repr(builder.created_at),
         "echo": builder.echo, "plan": dataclasses.asdict(turn.params.plan), "response": builder.response(),
         "history": turn.conversation, "input": listed_items(turn.params.input, builder.id),
+        "logprobs": turn.params.logprobs,
     }  # fmt: skip
     await store.save(builder.id, record, active=True)
     await store.enqueue(builder.id, store.home.request_stream(work.model))

@@ -184,7 +184,8 @@ class Driver:
             if offset > self.tokens:
                 return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
             self.tokens += len(token_ids)
-            return builder.feed(str(event.get("text", "")), str(event.get("reasoning") or "")), False
+            logprobs = event.get("logprobs") if isinstance(event.get("logprobs"), list) else None
+            return builder.feed(str(event.get("text", "")), str(event.get("reasoning") or ""), logprobs), False
         if kind == "done":
             if event.get("finish_reason") == "cancelled":
                 builder.cancel()
@@ -252,4 +253,5 @@ async def withdraw(store: ResponseStore, response_id: str, record: dict[str, str
 def rebuild(response_id: str, record: dict[str, str]) -> ResponseBuilder:
     """The builder of a stored background response, as its POST made it."""
     plan = ToolPlan(**json.loads(record["plan"]))
-    return ResponseBuilder(response_id, json.loads(record["echo"]), plan, float(record["created_at"]))
+    logprobs = json.loads(record.get("logprobs") or "null")
+    return ResponseBuilder(response_id, json.loads(record["echo"]), plan, float(record["created_at"]), logprobs)

@@ -37,8 +37,11 @@ TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed
 
 
 class ResponseBuilder:
-    def __init__(self, response_id: str, echo: dict[str, Any], plan: ToolPlan, created_at: float):
+    def __init__(
+        self, response_id: str, echo: dict[str, Any], plan: ToolPlan, created_at: float, logprobs: int | None = None
+    ):
         self.id = response_id
+        self.logprobs = logprobs  # alternatives per token, None: no logprobs
         self.echo = echo
         self.plan = plan
         self.created_at = created_at
@@ -52,6 +55,7 @@ class ResponseBuilder:
         self.sequence = 0
         self._open: dict[str, Any] | None = None  # the item being written
         self._held = ""  # whitespace before any message text: a message only if real text follows
+        self._held_logprobs: list[dict[str, Any]] = []  # those of text not written yet
         self._suffix = response_id.removeprefix("resp_")
 
     # ------------------------------------------------------------ the object
@@ -95,8 +99,13 @@ class ResponseBuilder:
         self.status = "in_progress"
         return [self._lifecycle("response.in_progress")]
 
-    def feed(self, text: str, reasoning: str = "") -> list[dict[str, Any]]:
+    def feed(
+        self, text: str, reasoning: str = "", logprobs: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """One delta: its answer text, its reasoning text, its tokens' logprobs (protocol `delta`)."""
         events = self.begin()
+        if self.logprobs is not None and logprobs:
+            self._held_logprobs += [_logprob(entry, self.logprobs) for entry in logprobs]
         if reasoning:
             events += self._reasoning(reasoning)
         if text:
@@ -180,8 +189,10 @@ class ResponseBuilder:
             }
             events += self._add(item)
             events.append(self._part_added({"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
-        self._open["content"][0]["text"] += text
-        events.append(self._item_event("response.output_text.delta", content_index=0, delta=text, logprobs=[]))
+        part, logprobs, self._held_logprobs = self._open["content"][0], self._held_logprobs, []
+        part["text"] += text
+        part["logprobs"] += logprobs
+        events.append(self._item_event("response.output_text.delta", content_index=0, delta=text, logprobs=logprobs))
         return events
 
     def _call(self, call: ToolCall) -> list[dict[str, Any]]:
@@ -227,7 +238,7 @@ class ResponseBuilder:
         else:
             part = item["content"][0]
             kind = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if item["type"] == "message" else {}
+            extra = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
             events.append(self._item_event(kind, content_index=0, text=part["text"], **extra))
             events.append(self._item_event("response.content_part.done", content_index=0, part=copy.deepcopy(part)))
         item["status"] = status
@@ -236,3 +247,12 @@ class ResponseBuilder:
         )
         self._open = None
         return events
+
+
+def _logprob(entry: dict[str, Any], top: int) -> dict[str, Any]:
+    """A token's logprob (protocol `{token, bytes, logprob, top}`) in the Responses shape."""
+
+    def one(alternative: dict[str, Any]) -> dict[str, Any]:
+        return {"token": alternative["token"], "bytes": list(alternative["bytes"]), "logprob": alternative["logprob"]}
+
+    return one(entry) | {"top_logprobs": [one(alternative) for alternative in entry.get("top", [])[:top]]}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import protocol
-from protocol.messages import MAX_TOKENS_LIMIT
+from protocol.messages import MAX_LOGPROBS, MAX_TOKENS_LIMIT
 
 from .. import tool_calls
 from ..config import GatewayConfig
@@ -44,7 +44,8 @@ COUNT_PARAMS = {
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "previous_response_id",
     "reasoning", "truncation",
 }  # fmt: skip
-INCLUDABLE = {"reasoning.encrypted_content"}  # accepted: reasoning items carry their text, there is nothing to encrypt
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = {LOGPROBS, "reasoning.encrypted_content"}  # the second accepted: reasoning items carry their text
 SERVICE_TIERS = ("auto", "default")
 MAX_METADATA = 16
 
@@ -60,6 +61,7 @@ class ResponseParams:
     constraint: dict[str, Any] | None
     sampling: protocol.SamplingParams
     truncate: bool
+    logprobs: int | None = None  # alternatives to report per token (0-20), None for no logprobs
     stream: bool = False
     store: bool = True
     background: bool = False
@@ -83,6 +85,7 @@ def parse_request(body: dict[str, Any], config: GatewayConfig) -> ResponseParams
     input_messages(items)  # every item checked now, not when the conversation is built
     _refuse_unsupported(body)
     plan, response_tools = parse_tools(body)
+    logprobs = parse_logprobs(body, plan)
     text, constraint = parse_text(body)
     if plan.constraint is not None and constraint is not None:
         raise invalid("text.format", "a forced tool call and a structured text format cannot both constrain the output")
@@ -103,11 +106,12 @@ def parse_request(body: dict[str, Any], config: GatewayConfig) -> ResponseParams
         constraint=plan.constraint or constraint,
         sampling=_sampling(body, max_output or config.default_max_tokens, config),
         truncate=truncation == "auto",
+        logprobs=logprobs,
         stream=bool(optional_bool(body, "stream")),
         store=store,
         background=background,
         previous_response_id=previous,
-        echo=_echo(body, response_tools, text, max_output, truncation),
+        echo=_echo(body, response_tools, text, max_output, truncation) | {"top_logprobs": logprobs or 0},
     )
 
 
@@ -165,8 +169,6 @@ def _sampling(body: dict[str, Any], max_tokens: int, config: GatewayConfig) -> p
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """The parameters lmq reads only in some values: the others are refused by name."""
     _refuse_reasoning(body)
-    if body.get("top_logprobs", 0) != 0:
-        raise invalid("top_logprobs", "logprobs are not supported on /v1/responses (use /v1/chat/completions)")
     include = body.get("include", [])
     if not isinstance(include, list):
         raise invalid("include", "must be a list")
@@ -182,6 +184,18 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     for name in ("user", "safety_identifier", "prompt_cache_key"):
         _optional_str(body, name)
     _metadata(body)
+
+
+def parse_logprobs(body: dict[str, Any], plan: ToolPlan) -> int | None:
+    """Logprobs of the message's tokens: asked with `include: ["message.output_text.logprobs"]` (or
+    `top_logprobs` > 0), `top_logprobs` alternatives each. Not beside tools, whose calls' tokens
+    would have no text to belong to."""
+    top = optional_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if LOGPROBS not in body.get("include", []) and not top:
+        return None
+    if plan.mode != "none":
+        raise invalid("include", "logprobs are not supported beside tools")
+    return top or 0
 
 
 def _refuse_reasoning(body: dict[str, Any]) -> None:

@@ -72,6 +72,15 @@ async def test_text_is_stored_owned_by_its_key_and_deleted(stack):
     assert response.usage.input_tokens > 0 and response.usage.input_tokens_details.cached_tokens >= 0
     assert response.usage.output_tokens_details.reasoning_tokens == 0
     assert response.usage.total_tokens == response.usage.input_tokens + 6
+    scored = await a.responses.create(
+        model=REAL_MODEL, input="What is the capital of France?", include=["message.output_text.logprobs"],
+        top_logprobs=2, max_output_tokens=3, temperature=0, extra_body={"ignore_eos": True}, store=False,
+    )  # fmt: skip
+    part = scored.output[0].content[0]
+    assert len(part.logprobs) == 3 and "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in part.logprobs)
+    with pytest.raises(openai.NotFoundError):
+        await a.responses.retrieve(scored.id)  # store: false
     again = await a.responses.retrieve(response.id)
     assert again.output_text == response.output_text and again.usage == response.usage
     for call in (b.responses.retrieve(response.id), b.responses.delete(response.id), b.responses.cancel(response.id)):
@@ -208,6 +217,8 @@ async def test_bad_parameters_are_refused_by_name(stack):
         "background": {"background": True, "store": False},
         "conversation": {"conversation": "conv_1"},
         "input[0].type": {"input": [{"type": "input_image", "image_url": "http://x"}]},
+        "include": {"include": ["message.output_text.logprobs"], "tools": [WEATHER]},
+        "include[0]": {"include": ["file_search_call.results"]},
         "tool_choice.name": {"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]},
     }
     for param, fields in bad.items():
