@@ -191,6 +191,8 @@ class Driver:
                 builder.cancel()
                 return [], True
             usage = event.get("usage") or {}
+            if int(usage.get("completion_tokens", 0)) > self.tokens:
+                return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
             done = Done(
                 finish_reason=str(event.get("finish_reason")),
                 stop_sequence=event.get("stop_sequence"),
