@@ -81,7 +81,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     work = new_request(
         gateway, response_id, model, params.sampling,
         messages=params.messages(history), tools=params.plan.tools, constraint=params.constraint,
-        truncate=params.truncate, logprobs=params.logprobs,
+        truncate=params.truncate, logprobs=params.logprobs, **params.thinking,
     )  # fmt: skip
     builder = ResponseBuilder(response_id, params.echo | {"model": model}, params.plan, time.time(), params.logprobs)
     turn = Turn(params, builder, owner, history + input_messages(params.input))
@@ -129,16 +129,11 @@ def invalid_state(response_id: str, problem: str) -> ApiError:
     return ApiError(400, f"response {response_id} {problem}", param="response_id")
 
 
-def _reasoning_of(delta: Delta) -> str:
-    """A thinking model's reasoning text in a delta, where the chat path splits it out."""
-    return str(getattr(delta, "reasoning", None) or "")
-
-
 async def _generate(generation: Generation, builder: ResponseBuilder) -> None:
     builder.start()
     async for event in generation.events():
         if isinstance(event, Delta):
-            builder.feed(event.text, _reasoning_of(event), event.logprobs)
+            builder.feed(event.text, event.reasoning, event.logprobs)
         elif event is not None:
             builder.finish(event)
 
@@ -156,7 +151,7 @@ async def _relay(
                 await sse.send_comment(response, "waiting")
                 continue
             if isinstance(item, Delta):
-                events = builder.feed(item.text, _reasoning_of(item), item.logprobs)
+                events = builder.feed(item.text, item.reasoning, item.logprobs)
             else:
                 events = builder.finish(item)
             for event in events:
@@ -340,6 +335,7 @@ async def input_tokens(request: web.Request) -> web.Response:
     work = new_request(
         gateway, f"count_{secrets.token_hex(12)}", model, params.sampling,
         messages=params.messages(history), tools=params.plan.tools, truncate=params.truncate, task="tokenize",
+        **params.thinking,
     )  # fmt: skip
     async with Generation(gateway, work, "input_tokens", timed=False) as generation:
         _, done = await generation.result()

@@ -36,6 +36,7 @@ from ..context import Gateway
 from ..errors import ApiError
 from ..generation import Done, Usage
 from ..rate_limits import RateLimiter
+from ..reasoning import Thinking
 from ..tool_calls import ToolPlan
 from .builder import ResponseBuilder
 from .conversation import output_messages
@@ -124,6 +125,7 @@ class Driver:
         self.cursor = "0-0"  # the last reply stream entry read
         self.tokens = 0  # completion tokens taken (the offsets of deltas, as generation.py checks them)
         self.written = 0  # events already in the event stream
+        self.thinking = Thinking()  # splits a thinking model's deltas, as generation.py does for a live request
 
     async def run(self) -> None:
         record = await self.store.record(self.id)
@@ -176,6 +178,7 @@ class Driver:
         """The stream events a worker event makes, and whether the response ended with it."""
         kind = event.get("type")
         if kind == "started":
+            self.thinking.started(event)
             return builder.begin(), False
         if kind == "delta":
             offset, token_ids = int(event.get("offset", 0)), list(event.get("token_ids") or [])
@@ -185,7 +188,8 @@ class Driver:
                 return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
             self.tokens += len(token_ids)
             logprobs = event.get("logprobs") if isinstance(event.get("logprobs"), list) else None
-            return builder.feed(str(event.get("text", "")), str(event.get("reasoning") or ""), logprobs), False
+            piece = self.thinking.feed(str(event.get("text", "")), len(token_ids))
+            return builder.feed(piece.content, piece.reasoning, logprobs), False
         if kind == "done":
             if event.get("finish_reason") == "cancelled":
                 builder.cancel()
@@ -193,6 +197,7 @@ class Driver:
             usage = event.get("usage") or {}
             if int(usage.get("completion_tokens", 0)) > self.tokens:
                 return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
+            tail = self.thinking.finish()
             done = Done(
                 finish_reason=str(event.get("finish_reason")),
                 stop_sequence=event.get("stop_sequence"),
@@ -200,9 +205,10 @@ class Driver:
                     int(usage.get("prompt_tokens", 0)),
                     int(usage.get("completion_tokens", 0)),
                     int(usage.get("cached_tokens", 0)),
+                    reasoning_tokens=self.thinking.tokens,
                 ),
             )
-            return builder.finish(done), True
+            return builder.feed(tail.content, tail.reasoning) + builder.finish(done), True
         if kind == "error":
             return builder.fail(ApiError.from_worker(str(event.get("code")), str(event.get("message")))), True
         return [], False

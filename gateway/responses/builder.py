@@ -121,7 +121,7 @@ class ResponseBuilder:
             "input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": int(getattr(usage, "reasoning_tokens", 0) or 0)},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         }
         self.completed_at = time.time()

@@ -17,7 +17,7 @@ from typing import Any
 import protocol
 from protocol.messages import MAX_LOGPROBS, MAX_TOKENS_LIMIT
 
-from .. import tool_calls
+from .. import openai, tool_calls
 from ..config import GatewayConfig
 from ..errors import ApiError
 from ..tool_calls import ToolPlan
@@ -38,11 +38,18 @@ SUPPORTED = {
     "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier", "truncation", "max_tool_calls",
     "include", "reasoning", "top_logprobs",
 }  # fmt: skip
-EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "seed"}  # lmq's, as chat takes them
+EXTENSIONS = {
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "seed",
+    "chat_template_kwargs",
+}  # as chat takes them
 # POST /v1/responses/input_tokens
 COUNT_PARAMS = {
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "previous_response_id",
-    "reasoning", "truncation",
+    "reasoning", "truncation", "chat_template_kwargs",
 }  # fmt: skip
 LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = {LOGPROBS, "reasoning.encrypted_content"}  # the second accepted: reasoning items carry their text
@@ -62,6 +69,7 @@ class ResponseParams:
     sampling: protocol.SamplingParams
     truncate: bool
     logprobs: int | None = None  # alternatives to report per token (0-20), None for no logprobs
+    thinking: dict[str, Any] = field(default_factory=dict)  # the protocol's template_kwargs and reasoning_budget
     stream: bool = False
     store: bool = True
     background: bool = False
@@ -84,6 +92,7 @@ def parse_request(body: dict[str, Any], config: GatewayConfig) -> ResponseParams
     items = parse_input(body)
     input_messages(items)  # every item checked now, not when the conversation is built
     _refuse_unsupported(body)
+    thinking = parse_reasoning(body)
     plan, response_tools = parse_tools(body)
     logprobs = parse_logprobs(body, plan)
     text, constraint = parse_text(body)
@@ -107,11 +116,16 @@ def parse_request(body: dict[str, Any], config: GatewayConfig) -> ResponseParams
         sampling=_sampling(body, max_output or config.default_max_tokens, config),
         truncate=truncation == "auto",
         logprobs=logprobs,
+        thinking=thinking,
         stream=bool(optional_bool(body, "stream")),
         store=store,
         background=background,
         previous_response_id=previous,
-        echo=_echo(body, response_tools, text, max_output, truncation) | {"top_logprobs": logprobs or 0},
+        echo=_echo(body, response_tools, text, max_output, truncation)
+        | {
+            "top_logprobs": logprobs or 0,
+            "reasoning": {"effort": body.get("reasoning", {}).get("effort"), "summary": None},
+        },
     )
 
 
@@ -119,7 +133,7 @@ def parse_count(body: dict[str, Any]) -> ResponseParams:
     """The body of POST /v1/responses/input_tokens: the parts of a request that make its prompt."""
     body = given(body)
     refuse_unknown(body, COUNT_PARAMS)
-    _refuse_reasoning(body)
+    thinking = parse_reasoning(body)
     items = parse_input(body)
     input_messages(items)
     plan, _ = parse_tools(body)
@@ -135,6 +149,7 @@ def parse_count(body: dict[str, Any]) -> ResponseParams:
         constraint=None,
         sampling=protocol.SamplingParams(max_tokens=1),
         truncate=_choice(body, "truncation", ("auto", "disabled"), "disabled") == "auto",
+        thinking=thinking,
         previous_response_id=previous,
     )
 
@@ -168,7 +183,6 @@ def _sampling(body: dict[str, Any], max_tokens: int, config: GatewayConfig) -> p
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """The parameters lmq reads only in some values: the others are refused by name."""
-    _refuse_reasoning(body)
     include = body.get("include", [])
     if not isinstance(include, list):
         raise invalid("include", "must be a list")
@@ -198,13 +212,22 @@ def parse_logprobs(body: dict[str, Any], plan: ToolPlan) -> int | None:
     return top or 0
 
 
-def _refuse_reasoning(body: dict[str, Any]) -> None:
+def parse_reasoning(body: dict[str, Any]) -> dict[str, Any]:
+    """`reasoning.effort` (and lmq's `chat_template_kwargs`) as the protocol's fields, as chat's
+    `reasoning_effort` maps them (gateway/openai.py): a thinking budget the worker enforces; "none"
+    also tells the template not to think. Summaries are refused: lmq writes none."""
     reasoning = body.get("reasoning", {})
     if not isinstance(reasoning, dict):
         raise invalid("reasoning", "must be an object")
     for name, value in reasoning.items():
-        if value is not None:
-            raise invalid(f"reasoning.{name}", "is not supported yet: a thinking model thinks as its template says")
+        if name != "effort" and value is not None:
+            raise invalid(f"reasoning.{name}", "is not supported (a reasoning item carries the whole thinking)")
+    effort = reasoning.get("effort")
+    if effort is not None and effort != "none" and effort not in openai.REASONING_BUDGETS:
+        raise invalid("reasoning.effort", f'must be "none" or one of {", ".join(openai.REASONING_BUDGETS)}')
+    chat = {"reasoning_effort": effort, "chat_template_kwargs": body.get("chat_template_kwargs")}
+    fields = openai.parse_reasoning({key: value for key, value in chat.items() if value is not None})
+    return {key: value for key, value in fields.items() if value is not None}
 
 
 def parse_tools(body: dict[str, Any]) -> tuple[ToolPlan, list[dict[str, Any]]]:

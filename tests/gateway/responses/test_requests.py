@@ -3,12 +3,26 @@ a real gateway and Redis, a scripted worker (the exact protocol request is visib
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 import redis.asyncio as aioredis
 
 import protocol
-from tests.support.gateway_harness import MODEL, running_gateway, words_script, worker_running
+from gateway.openai import REASONING_BUDGETS
+from protocol.codec import encode
+from tests.support.batch_files import poll
+from tests.support.gateway_harness import (
+    MODEL,
+    announce,
+    finish,
+    publish,
+    running_gateway,
+    take_request,
+    words_script,
+    worker_running,
+)
 
 WEATHER = {
     "type": "function",
@@ -105,3 +119,60 @@ async def test_a_worker_error_mid_stream_fails_the_response_and_a_refusal_is_a_4
             with pytest.raises(openai.BadRequestError) as refused:
                 await client.responses.create(model=MODEL, input="refuse", stream=stream)
             assert "too long" in refused.value.message
+
+
+# A Qwen3 answer as a worker streams it, a tag cut across deltas (as tests/gateway/test_reasoning.py).
+PIECES = ["<think>", "\nThe user", " asks 2+2.", "\n</th", "ink>\n\n", "It is", " 4."]
+REASONING, ANSWER, REASONING_TOKENS = "The user asks 2+2.", "It is 4.", 5
+
+
+def thinking_events(request: protocol.Request) -> list[dict]:
+    tags = {"start": "<think>", "end": "</think>", "open": False}
+    events = [protocol.started_event(request.id, 0, 7, tags)]
+    events += [protocol.delta_event(request.id, i + 1, piece, [100 + i], i) for i, piece in enumerate(PIECES)]
+    return events + [protocol.done_event(request.id, len(PIECES) + 1, "stop", 7, len(PIECES), 0)]
+
+
+async def thinking_worker(redis: aioredis.Redis, received: list[protocol.Request], stop: asyncio.Event) -> None:
+    """Answers on the request's reply address: a pub/sub channel, or a background response's stream."""
+    while taken := await take_request(redis, MODEL, "thinker", stop):
+        entry_id, request = taken
+        received.append(request)
+        for event in thinking_events(request):
+            if request.reply.kind == "stream":
+                await redis.xadd(request.reply.key, {"msg": encode(event)})
+            else:
+                await publish(redis, request, [event])
+        await finish(redis, request, entry_id)
+
+
+async def test_a_thinking_answer_is_a_reasoning_item_whole_streamed_and_in_the_background(redis_url, redis):
+    received: list[protocol.Request] = []
+    stop = asyncio.Event()
+    worker = asyncio.create_task(thinking_worker(redis, received, stop))
+    await announce(redis, MODEL, "thinker")
+    try:
+        async with running_gateway(redis_url) as url:
+            client = sdk(url)
+            whole = await client.responses.create(model=MODEL, input="What is 2+2?", reasoning={"effort": "low"})
+            async with client.responses.stream(model=MODEL, input="What is 2+2?") as stream:
+                kinds = [event.type async for event in stream]
+                streamed = await stream.get_final_response()
+            queued = await client.responses.create(model=MODEL, input="What is 2+2?", background=True)
+
+            async def ended():
+                found = await client.responses.retrieve(queued.id)
+                return found if found.status == "completed" else None
+
+            background = await poll(ended, what="the background response's end")
+    finally:
+        stop.set()
+        await worker
+    for response in (whole, streamed, background):
+        reasoning, message = response.output
+        assert reasoning.type == "reasoning" and reasoning.content[0].text == REASONING
+        assert message.type == "message" and response.output_text == ANSWER
+        assert response.usage.output_tokens_details.reasoning_tokens == REASONING_TOKENS
+    assert kinds.count("response.reasoning_text.delta") >= 1 and "response.reasoning_text.done" in kinds
+    assert whole.reasoning.effort == "low" and received[0].reasoning_budget == REASONING_BUDGETS["low"]
+    assert received[1].reasoning_budget is None and received[2].reply.kind == "stream"
