@@ -39,13 +39,20 @@ KEEP_ENDED_S = 60.0  # at least the gateways' LMQ_RESUME_TIMEOUT (15 s) plus an 
 HOLDER_MARGIN_S = 60
 
 # Make the entry pending for this consumer again, and the holder and progress keys this entry's.
-# Answers `ok`, `reclaimed` (the entry was pending for nobody: claimed with FORCE), `orphan` (the
+# Answers `ok`, `reclaimed` (the entry was pending for nobody: claimed with FORCE, and the group's
+# last delivered id moved up to it so no other worker reads it as new), `orphan` (the
 # entry or its group is gone: the request finishes from memory, no other worker could take it
 # over), or `lost` (another consumer or another entry holds it now: nothing written).
 REESTABLISH_LUA = r"""
 local stream, holder, progress = KEYS[1], KEYS[2], KEYS[3]
 local group, me, entry, handle = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local holder_ttl, tokens, progress_ttl = ARGV[5], ARGV[6], ARGV[7]
+local function id_below(a, b)
+  local am, as = a:match('^(%d+)-(%d+)$')
+  local bm, bs = b:match('^(%d+)-(%d+)$')
+  if tonumber(am) ~= tonumber(bm) then return tonumber(am) < tonumber(bm) end
+  return tonumber(as) < tonumber(bs)
+end
 local status = 'ok'
 local pending = redis.pcall('XPENDING', stream, group, entry, entry, 1)
 if type(pending) == 'table' and pending.err then
@@ -54,6 +61,15 @@ elseif #pending == 1 then
   if pending[1][2] ~= me then return 'lost' end
 elseif #redis.call('XRANGE', stream, entry, entry) == 1 then
   redis.call('XCLAIM', stream, group, me, 0, entry, 'FORCE', 'JUSTID')
+  -- The read itself was lost, so the group would hand the entry out again as new: move its last
+  -- delivered id up to it (what precedes it was read before it, on the old primary).
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for k = 1, #g, 2 do fields[g[k]] = g[k + 1] end
+    if fields['name'] == group and id_below(fields['last-delivered-id'], entry) then
+      redis.call('XGROUP', 'SETID', stream, group, entry)
+    end
+  end
   status = 'reclaimed'
 else
   status = 'orphan'
