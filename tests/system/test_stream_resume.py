@@ -27,7 +27,7 @@ from tests.support.process_stack import (
     eventually,
     streaming,
 )
-from tests.support.sentinel_stack import SentinelSet, SentinelStack
+from tests.support.sentinel_stack import SERVICE, SentinelSet, SentinelStack
 
 KINDS = ["redis6", "valkey9"]
 RESUME_TIMEOUT_S = 15  # the gateway's default
@@ -170,3 +170,59 @@ async def test_ten_redis_restarts_in_a_row_under_16_streams(kind, tmp_path, tiny
         stack.assert_alive()
     finally:
         stack.close()
+
+
+async def _fail_over_and_rejoin(sentinels: SentinelSet) -> None:
+    """SIGKILL the primary, wait for the replica's promotion, then start the old primary again as the
+    new primary's replica, in sync and seen by every sentinel: ready to be promoted at the next fault."""
+    sentinels.kill_primary()
+    await sentinels.wait_failover()
+    old = sentinels.primary
+    sentinels.primary, sentinels.replica = sentinels.replica, old
+    old.start()
+    with sentinels.client(old.port) as client:  # what the sentinels would do within ~10 s, done at once
+        client.replicaof("127.0.0.1", sentinels.primary.port)
+
+    def rejoined() -> bool:
+        with sentinels.client(old.port, socket_timeout=2) as client:
+            link = client.info("replication")
+        if link.get("role") != "slave" or link.get("master_link_status") != "up":
+            return False
+        for port in sentinels.sentinel_ports:
+            replicas = [_pairs(replica) for replica in sentinels._ask(port, "SENTINEL", "REPLICAS", SERVICE)]
+            if not any(int(r["port"]) == old.port and r["flags"] == "slave" for r in replicas):
+                return False
+        return True
+
+    await eventually(rejoined, "the old primary back as a replica the sentinels see", 60)
+
+
+def _pairs(flat) -> dict:
+    return flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", KINDS)
+async def test_ten_sentinel_failovers_in_a_row_under_16_streams(kind, tmp_path, tiny_model_dir, pool):
+    """10 failovers in a row (the primary SIGKILLed, the replica promoted, the old primary back as a
+    replica), each while 16 greedy streams run; every stream exact."""
+    sentinels = SentinelSet(tmp_path / "sentinel-set", kind).start()
+    stack = SentinelStack(sentinels, StackSpec("sentinel", workers=2, gateways=1), tmp_path / "stack", tiny_model_dir)
+    try:
+        for _ in range(2):
+            stack.start_worker(LMQ_MAX_SEQS="8", LMQ_KV_MEMORY="16MiB")
+        stack.start_gateway()
+        await stack.wait_ready()
+        problems, started = [], time.monotonic()
+        for number in range(10):
+            inexact = await _through_a_fault(stack, pool, 16, lambda: _fail_over_and_rejoin(sentinels))
+            problems += [f"failover {number + 1}: {problem}" for problem in inexact]
+        print(
+            f"16 streams through each of 10 failovers on {kind}: {time.monotonic() - started:.1f} s, {len(problems)} inexact"
+        )
+        assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
+        stack.assert_alive()
+    finally:
+        stack.close()
+        sentinels.close()
