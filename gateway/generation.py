@@ -261,7 +261,7 @@ class Generation:
 
     def _to_relay(self, event: dict[str, Any]) -> bool:
         """Whether to relay an event from the queue (a resume marker or a redundant event is not)."""
-        kind = event["type"]
+        kind = event.get("type")
         if kind == INTERRUPTED:
             self._resume.interrupted(time.monotonic())
             return False

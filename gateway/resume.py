@@ -71,9 +71,9 @@ class Resumption:
         """Whether an event may be relayed while resuming: new, and leaving no hole."""
         if int(event.get("seq", 0)) <= last_seq:
             return False
-        if event["type"] == "delta":
+        if event.get("type") == "delta":
             return int(event.get("offset", 0)) == relayed
-        if event["type"] == "done":
+        if event.get("type") == "done":
             return int((event.get("usage") or {}).get("completion_tokens", 0)) <= relayed
         return True
 
