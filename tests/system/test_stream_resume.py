@@ -183,18 +183,32 @@ async def _fail_over_and_rejoin(sentinels: SentinelSet) -> None:
     with sentinels.client(old.port) as client:  # what the sentinels would do within ~10 s, done at once
         client.replicaof("127.0.0.1", sentinels.primary.port)
 
+    seen: list = []
+
     def rejoined() -> bool:
         with sentinels.client(old.port, socket_timeout=2) as client:
             link = client.info("replication")
+        views = [
+            [_pairs(replica) for replica in sentinels._ask(port, "SENTINEL", "REPLICAS", SERVICE)]
+            for port in sentinels.sentinel_ports
+        ]
+        seen[:] = [
+            link.get("role"),
+            link.get("master_link_status"),
+            [[(r["port"], r["flags"]) for r in v] for v in views],
+        ]
         if link.get("role") != "slave" or link.get("master_link_status") != "up":
             return False
-        for port in sentinels.sentinel_ports:
-            replicas = [_pairs(replica) for replica in sentinels._ask(port, "SENTINEL", "REPLICAS", SERVICE)]
-            if not any(int(r["port"]) == old.port and r["flags"] == "slave" for r in replicas):
-                return False
-        return True
+        return all(any(int(r["port"]) == old.port and _healthy(r["flags"]) for r in view) for view in views)
 
-    await eventually(rejoined, "the old primary back as a replica the sentinels see", 60)
+    try:
+        await eventually(rejoined, "the old primary back as a replica the sentinels see", 60)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nlast seen (role, link, each sentinel's replicas): {seen}") from None
+
+
+def _healthy(flags: str) -> bool:
+    return not {"s_down", "o_down", "disconnected"} & set(flags.split(","))
 
 
 def _pairs(flat) -> dict:
