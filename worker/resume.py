@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +92,7 @@ class _Kept:
 
     request: Request
     entry_id: str  # the entry's handle (worker/claims.py)
-    tokens: list[int]  # completion tokens streamed so far, a dead worker's before this one's included
+    tokens: array  # completion tokens streamed so far (uint32), a dead worker's before this one's included
     events: deque[tuple[int, dict[str, Any], int]] = field(default_factory=deque)  # (seq, event, size)
     size: int = 0
     dropped_seq: int = -1  # the last seq dropped to stay within MAX_KEPT_BYTES (-1: none)
@@ -119,7 +120,7 @@ class SentEvents:
 
     def started(self, request: Request, entry_id: str, streamed: list[int]) -> None:
         self.forget(request.id)
-        self._kept[request.id] = _Kept(request, entry_id, list(streamed), tokens_before_run=len(streamed))
+        self._kept[request.id] = _Kept(request, entry_id, array("I", streamed), tokens_before_run=len(streamed))
         self._by_entry[entry_id] = request.id
 
     def sent(self, entry_id: str, event: dict[str, Any]) -> None:
@@ -131,7 +132,7 @@ class SentEvents:
         kept.size += size
         self.total += size
         if event.get("type") == "delta":
-            kept.tokens += event.get("token_ids") or []
+            kept.tokens.extend(event.get("token_ids") or ())
         while kept.size > MAX_KEPT_BYTES and kept.events:
             self._drop_oldest(kept)
         self._trim(time.monotonic())
@@ -273,7 +274,7 @@ class Resumer:
             split_handle(kept.entry_id)[1],
             kept.entry_id,
             ttl,
-            encode_progress(kept.tokens),
+            encode_progress(kept.tokens.tolist()),
             KEY_TTL_S,
         ]
         status = await self._script(keys=keys, args=args)

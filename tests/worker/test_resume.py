@@ -27,6 +27,7 @@ from tests.support.worker_harness import (
     worker_config,
 )
 from tests.support.worker_process import SlowModel
+from worker import resume
 
 TOKEN, OTHER = "t" * 32, "o" * 32
 STREAM = protocol.request_stream("tiny")
@@ -125,3 +126,38 @@ async def _deltas(redis, key: str, count: int) -> bool:
 
 async def _resumed(redis, key: str) -> dict | None:
     return next((event for event in await reply_events(redis, key) if event["type"] == "resumed"), None)
+
+
+def test_what_a_worker_keeps_is_bounded_and_a_gap_it_no_longer_holds_is_refused(monkeypatch):
+    monkeypatch.setattr(resume, "MAX_KEPT_BYTES", 2_000)
+    sent = resume.SentEvents()
+    request = owned("long")
+    sent.started(request, "1-0", [7, 7])  # taken over after 2 streamed tokens
+    for seq in range(1, 201):
+        sent.sent("1-0", protocol.delta_event("long", seq, "word ", [seq], 2 + seq - 1))
+    kept = sent.get("long")
+    assert kept.size <= 2_000 and sent.total == kept.size and len(kept.tokens) == 202
+    first_kept = kept.events[0][0]
+    assert kept.dropped_seq == first_kept - 1 and kept.first_offset == 2 + first_kept - 1
+    sent.ended("1-0")
+    monkeypatch.setattr(resume, "KEEP_ENDED_S", -1.0)  # an ended request is forgotten once its time is up
+    assert sent.get("long") is None and sent.total == 0
+
+
+async def test_a_resume_the_worker_can_no_longer_fill_gets_an_unavailable_error(
+    tiny, any_redis_url, client, monkeypatch
+):
+    monkeypatch.setattr(resume, "MAX_KEPT_BYTES", 1_000)  # a few events: the first ones are dropped
+    async with running_worker(worker_config(any_redis_url, "w1"), tiny):
+        await enqueue(client, owned("job-4", max_tokens=24))
+        await final_events(client, "out:job-4")
+        await client.publish(RESUME_CHANNEL, resume_message("job-4", 1, 1, TOKEN))
+        await wait_for(lambda: _last_is(client, "out:job-4", "error"), what="an error after the done")
+        events = await reply_events(client, "out:job-4")
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "unavailable", events[-1]
+    assert not [event for event in events if event["type"] == "resumed"]
+
+
+async def _last_is(redis, key: str, kind: str) -> bool:
+    events = await reply_events(redis, key)
+    return bool(events) and events[-1]["type"] == kind
