@@ -30,6 +30,12 @@ class GatewayConfig:
     )
     request_timeout: float = field(default=600.0, metadata={"help": "seconds a request may take in all"})
     pickup_timeout: float = field(default=60.0, metadata={"help": "seconds to wait for a worker to start a request"})
+    resume_timeout: float = field(
+        default=15.0,
+        metadata={
+            "help": "seconds an open request waits, after the reply subscription broke (a Redis restart, a failover), for its worker to send again what was lost; then it ends with an error"
+        },
+    )
     max_body_bytes: int = field(default=4 << 20, metadata={"help": "largest request body accepted"})
     retry_after: int = field(default=2, metadata={"help": "seconds in Retry-After when the queue is full"})
     keepalive_seconds: float = field(

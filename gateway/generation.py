@@ -34,7 +34,9 @@ from . import access_log, rate_limits
 from .context import Gateway
 from .errors import ApiError
 from .reasoning import Split, Thinking
-from .replies import AlreadyOpen
+from .replies import LOST, AlreadyOpen
+from .resume import GAVE_UP, INTERRUPTED, RESUBSCRIBED, Resumption
+from .resume import ask as ask_for_resume
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class Generation:
         self.thinking = Thinking()  # splits a thinking model's deltas (the `started` event says whether)
         self._tail = Split()  # text the split held back until the end
         self._tokens_relayed = 0
+        self._last_seq = -1  # of the last event relayed: a resume asks for what came after it
+        self._resume = Resumption(gateway.config.resume_timeout)
         self._finished = False
         self._cancel_token = secrets.token_hex(
             16
@@ -230,26 +234,77 @@ class Generation:
         return ApiError.from_worker(str(event.get("code")), str(event.get("message")))
 
     async def _next_event(self, keepalive: float | None) -> dict[str, Any] | None:
+        """The next event to relay; None when `keepalive` seconds passed without one. Resume markers
+        and the events a resume makes redundant are handled here (gateway/resume.py)."""
         assert self._events is not None
+        keepalive_at = None if keepalive is None else time.monotonic() + keepalive
         while True:
-            limit, problem = self._time_limit()
-            wait = limit - time.monotonic()
-            if keepalive is not None and keepalive < wait:
-                wait = keepalive
-                problem = None
+            now = time.monotonic()
+            wake, why, problem = self._next_wake(now, keepalive_at)
             try:
-                event = await asyncio.wait_for(self._events.get(), max(wait, 0.0))
+                event = await asyncio.wait_for(self._events.get(), max(wake - now, 0.0))
             except TimeoutError:
-                if problem is None:
+                if why == "keepalive":
                     return None
-                if not self._started and await self.gateway.queue.taken(self.request, self._entry_id):
+                if why == "ask":
+                    await self._ask_for_resume()
+                elif why == "resume":
+                    await self._resume_expired()
+                elif not self._started and await self.gateway.queue.taken(self.request, self._entry_id):
                     await self._picked_up()  # a worker holds it, busy with other prompts: wait for the deadline
-                    continue
-                raise ApiError(504, problem, code="timeout") from None
+                else:
+                    raise ApiError(504, problem, code="timeout") from None
+                continue
+            if not self._to_relay(event):
+                continue
             if not self._started:
                 await self._picked_up()
             self.metrics.event()
             return event
+
+    def _next_wake(self, now: float, keepalive_at: float | None) -> tuple[float, str, str]:
+        """When to stop waiting for an event, why, and the error to give if that is the deadline."""
+        limit, problem = self._time_limit()
+        wakes = [(limit, "deadline")]
+        if keepalive_at is not None:
+            wakes.append((keepalive_at, "keepalive"))
+        if self._resume.until is not None:
+            wakes.append((self._resume.until, "resume"))
+        ask_in = self._resume.ask_in(now)
+        if ask_in is not None:
+            wakes.append((now + ask_in, "ask"))
+        wake, why = min(wakes)
+        return wake, why, problem
+
+    def _to_relay(self, event: dict[str, Any]) -> bool:
+        """Whether to relay an event from the queue (a resume marker or a redundant event is not)."""
+        kind = event.get("type")
+        if kind == INTERRUPTED:
+            self._resume.interrupted(time.monotonic())
+            return False
+        if kind == RESUBSCRIBED:
+            self._resume.resubscribed(time.monotonic())
+            return False
+        if kind == "resumed":
+            self._resume.answered()
+            return False
+        if self._resume.active and not Resumption.in_order(event, self._last_seq, self._tokens_relayed):
+            return False
+        if kind != "delta" or int(event.get("offset", 0)) >= self._tokens_relayed:  # not a re-run's repeat
+            self._last_seq = int(event.get("seq", self._last_seq))
+        return True
+
+    async def _ask_for_resume(self) -> None:
+        self._resume.asked(time.monotonic())
+        await ask_for_resume(self.gateway.redis, self.request, self._last_seq, self._tokens_relayed, self._cancel_token)
+
+    async def _resume_expired(self) -> None:
+        """No worker answered the resume in time. A request no worker had read needs none (it waits in
+        the queue, nothing of it was lost); any other ends with the error it got before resuming existed."""
+        if not self._started and not await self.gateway.queue.taken(self.request, self._entry_id):
+            self._resume.answered()
+            return
+        raise ApiError.from_worker(LOST, GAVE_UP)  # leaving the block withdraws it, should its worker still run it
 
     async def _picked_up(self) -> None:
         self._started = True

@@ -12,6 +12,8 @@ from redis.exceptions import ConnectionError, TimeoutError
 import protocol
 from protocol.redis_client import pubsub
 
+from .resume import INTERRUPTED, RESUBSCRIBED, marker
+
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.5
@@ -36,10 +38,11 @@ class ReplyRouter:
     """Subscribes once, before any request is accepted, so no event can be published unheard.
 
     Pub/sub keeps nothing for a subscriber that is away: when the connection breaks (a Redis
-    restart, a network cut), events published until it is re-subscribed are gone. Every request
-    open then gets an `unavailable` error instead of an answer with a silent hole in it. A break
-    shows as a ConnectionError, or, where redis-py reconnected by itself, as a second `subscribe`
-    confirmation. `listening` is false from a ConnectionError until the next confirmation: /ready
+    restart, a failover, a network cut), events published until it is re-subscribed are gone. Each
+    open request is told (an `INTERRUPTED` marker in its queue, then `RESUBSCRIBED` once subscribed
+    again) and asks its worker to send again what it missed (gateway/resume.py); one that gets no
+    answer in time ends with an `unavailable` error, never with a silent hole. A break shows as a
+    ConnectionError, or, where redis-py reconnected by itself, as a second `subscribe` confirmation. `listening` is false from a ConnectionError until the next confirmation: /ready
     says 503 meanwhile, since a request taken then would fail when the subscription comes back.
     """
 
@@ -92,25 +95,26 @@ class ReplyRouter:
             except (ConnectionError, TimeoutError) as exc:
                 log.warning("reply subscription lost (%s); reconnecting", exc)
                 self.listening = False
-                self._fail_open_requests()
+                self._tell_open_requests(INTERRUPTED)
                 await asyncio.sleep(RECONNECT_DELAY_S)
                 continue
             if message is None:
                 continue
             if message["type"] == "subscribe":
                 if subscribed:
-                    log.warning("reply subscription was re-established; events sent meanwhile are lost")
-                    self._fail_open_requests()
+                    log.warning(
+                        "reply subscription re-established; %d open requests ask for what they missed",
+                        len(self._queues),
+                    )
+                    self._tell_open_requests(RESUBSCRIBED)
                 subscribed = self.listening = True
             elif message["type"] == "message":
                 self._route(message["data"])
 
-    def _fail_open_requests(self) -> None:
+    def _tell_open_requests(self, kind: str) -> None:
+        """Put a resume marker (gateway/resume.py) in every open request's queue."""
         for request_id, queue in self._queues.items():
-            message = (
-                "the connection to the request queue broke while the request ran; part of its answer may be lost: retry"
-            )
-            queue.put_nowait(protocol.error_event(request_id, -1, LOST, message))
+            queue.put_nowait(marker(kind, request_id))
 
     def _route(self, data: bytes) -> None:
         if len(data) > protocol.MAX_MESSAGE_BYTES:  # a worker that predates the split of a step's message

@@ -9,8 +9,9 @@ The router keeps one connection per primary, which SSUBSCRIBEs the channels of t
 primary serves (one SSUBSCRIBE per channel: Redis refuses one over several slots), and one reader
 per connection. The promise is the plain router's: it listens before any request is accepted, and
 when a subscription breaks (a connection error, a node that pushes `sunsubscribe` because the slot
-moved) every open request gets an `unavailable` error instead of an answer with a hole; then the
-subscriptions are rebuilt from a fresh slot map, and `listening` is false until they are.
+moved) every open request is told, the subscriptions are rebuilt from a fresh slot map (`listening`
+is false until they are), and then every open request asks its worker for what it missed
+(gateway/resume.py), or ends with an `unavailable` error when no worker answers in time.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from protocol.keys import ShardLayout
 from protocol.redis_client import REDIS_FAILURES
 
 from .replies import RECONNECT_DELAY_S, ReplyRouter
+from .resume import INTERRUPTED, RESUBSCRIBED
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +95,14 @@ class ShardedReplyRouter(ReplyRouter):
             ) as exc:  # whatever broke a subscription (redis-py's own errors included), the reader goes on
                 log.warning("reply subscription lost (%r); subscribing again", exc)
             self.listening = False
-            self._fail_open_requests()
+            self._tell_open_requests(INTERRUPTED)
             await self._unsubscribe()
             await asyncio.sleep(RECONNECT_DELAY_S)
             try:
                 await self.redis.nodes_manager.initialize()  # the slot map may have changed
                 await self._subscribe()
                 self.listening = True
+                self._tell_open_requests(RESUBSCRIBED)
             except REDIS_FAILURES as exc:
                 log.warning("could not subscribe to replies again (%s); retrying", exc)
                 await self._unsubscribe()

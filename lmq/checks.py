@@ -20,7 +20,7 @@ def check_gateway(config: GatewayConfig) -> None:
     check_format(config.log_format)
     check_redis_url(GatewayConfig, config.redis_url)
     at_least(config, "port", 1, 65535)
-    for name in ("request_timeout", "pickup_timeout", "keepalive_seconds", "admission_wait"):
+    for name in ("request_timeout", "pickup_timeout", "resume_timeout", "keepalive_seconds", "admission_wait"):
         if not getattr(config, name) > 0:
             raise ValueError(f"{setting_name(GatewayConfig, name)} must be more than 0, not {getattr(config, name)!r}")
     at_least(config, "max_body_bytes", 1)

@@ -533,9 +533,12 @@ def error_event(request_id: str | None, seq: int, code: str, message: str) -> di
     return {"v": VERSION, "type": "error", "id": request_id, "seq": seq, "code": code, "message": message}
 
 
+EVENT_TYPES = ("started", "delta", "done", "error", "resumed")  # resumed: protocol/resume.py
+
+
 def decode_event(raw: bytes) -> dict[str, Any]:
     event = decode_map(raw)
-    if event.get("type") not in ("started", "delta", "done", "error") or not isinstance(event.get("seq"), int):
+    if event.get("type") not in EVENT_TYPES or not isinstance(event.get("seq"), int):
         raise ProtocolError("bad_request", "not an lmq event")
     return event
 

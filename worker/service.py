@@ -30,6 +30,7 @@ from protocol import (
 from protocol.cluster_url import shard_layout
 from protocol.keys import BATCH, INTERACTIVE
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
+from protocol.resume import RESUME_CHANNEL
 from worker import compute_thread
 from worker.cancel_memory import CancelMemory
 from worker.claims import Entry, RequestStreams, is_missing_group, model_lanes
@@ -40,8 +41,8 @@ from worker.logprob_events import LogprobEvents
 from worker.metrics import WorkerMetrics
 from worker.model.loader import LoadedModel, load_model
 from worker.prompt import PromptTooLong, build_prompt_ids
-from worker.publisher import Publisher
 from worker.reasoning_budget import thinking_of
+from worker.resume import RecordingPublisher, Resumer
 from worker.tasks import answer_task
 from worker.tracking import RequestTable
 
@@ -86,9 +87,10 @@ class Worker:
         self.shards = shard_layout(config.redis_url)
         lanes = model_lanes(self.shards, self.model_name)
         self.stream = RequestStreams(redis, lanes, config.worker_id)
-        self.publisher = Publisher(
+        self.publisher = RecordingPublisher(
             redis, lanes, config.worker_id, on_refused=self._on_refused, on_written=self._on_written
         )
+        self.resumer = Resumer(redis, self.stream, self.publisher, config.worker_id)
         self.engine = Engine(
             model,
             kv_memory_bytes=parse_kv_memory(config.kv_memory),
@@ -244,6 +246,7 @@ class Worker:
 
     def _on_refused(self, entry_id: str, status: str, detail: str) -> None:
         """The publisher or the keep loop found an entry this worker may no longer answer: stop its request."""
+        self.publisher.sent_events.forget_entry(entry_id)
         request_id = self.table.drop(entry_id)
         if request_id is not None:
             self.engine.cancel(request_id)
@@ -257,10 +260,12 @@ class Worker:
 
     async def _cancel_subscription(self) -> None:
         cancels = await pubsub(self.redis)
-        await cancels.subscribe(CANCEL_CHANNEL)
+        await cancels.subscribe(CANCEL_CHANNEL, RESUME_CHANNEL)
         try:
             async for message in cancels.listen():
-                if message["type"] == "message":
+                if message["type"] == "message" and message["channel"] == RESUME_CHANNEL.encode():
+                    self.resumer.on_message(message["data"])
+                elif message["type"] == "message":
                     self._cancel(message["data"])
         finally:
             await cancels.aclose()
@@ -375,6 +380,7 @@ class Worker:
             reasoning_budget=request.reasoning_budget,
         )
         self.engine.add(work)
+        self.publisher.sent_events.started(request, entry_id, streamed)  # before table.start sends `started`
         self.table.start(request, entry_id, len(streamed), len(prompt_ids), thinking)
         resumed = f", resuming after {len(streamed)} streamed tokens" if streamed else ""
         log.info(

@@ -5,6 +5,7 @@ worker from a missing one. A scripted worker plays the protocol over the real Re
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import openai
@@ -12,6 +13,7 @@ import pytest
 
 import protocol
 from protocol.redis_client import connect
+from protocol.resume import RESUME_CHANNEL, decode_resume, resumed_event
 from tests.support.gateway_harness import (
     MODEL,
     announce,
@@ -79,27 +81,79 @@ async def test_a_done_counting_more_tokens_than_arrived_is_an_error(gateway_url,
     assert status == 503 and "1 tokens of the answer were lost" in body
 
 
-async def test_a_broken_reply_subscription_fails_the_open_requests_visibly(gateway_url, redis_client):
-    """Events published while the subscription was away are gone: the request must not just go on."""
+async def _break_the_subscription_mid_answer(redis, request_holder: list, answer_resume) -> None:
+    """Serve one request: "Hello", then the gateway's subscription drops and " world" goes unheard;
+    `answer_resume(request, resume)` plays the worker's side of the resume that follows."""
+    entry_id, request = await asyncio.wait_for(take_request(redis), 10)
+    request_holder.append(request)
+    await publish(
+        redis, request, [protocol.started_event(request.id, 0, 5), protocol.delta_event(request.id, 1, "Hello", [1], 0)]
+    )
+    await asyncio.sleep(0.3)
+    await redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")  # the gateway's subscription drops (ours too)
+    await publish(redis, request, [protocol.delta_event(request.id, 2, " world", [2], 1)])  # unheard
+    resumes = redis.pubsub()  # after the kill: the gateway asks again until it is answered
+    await resumes.subscribe(RESUME_CHANNEL)
+    async with asyncio.timeout(10):
+        while (message := await resumes.get_message(timeout=1)) is None or message["type"] != "message":
+            pass
+    await answer_resume(request, decode_resume(message["data"]))
+    await resumes.aclose()
+    await finish(redis, request, entry_id)
 
-    async def serve(request_holder: list):
-        entry_id, request = await asyncio.wait_for(take_request(redis_client), 10)
-        request_holder.append(request)
-        await publish(redis_client, request, [protocol.delta_event(request.id, 0, "Hello", [1], 0)])
-        await asyncio.sleep(0.3)
-        await redis_client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")  # the gateway's subscription drops
-        await publish(redis_client, request, [protocol.delta_event(request.id, 1, " world", [2], 1)])  # unheard
-        await asyncio.sleep(0.5)  # the gateway re-subscribes meanwhile
-        await publish(redis_client, request, [protocol.done_event(request.id, 2, "length", 5, 2, 0)])
-        await finish(redis_client, request, entry_id)
+
+async def test_a_broken_reply_subscription_is_resumed_from_the_worker(gateway_url, redis_client):
+    """The gateway asks for what it missed (the last seq and offset it has, its cancel token) and
+    relays what comes in order: the client sees the whole answer, once, and nothing of the fault."""
+    asked = []
+
+    async def send_again(request, resume):
+        asked.append(resume)
+        delta = protocol.delta_event(request.id, 2, " world", [2], 1)
+        await publish(
+            redis_client, request, [protocol.delta_event(request.id, 3, "!", [3], 2)]
+        )  # new, before the replay
+        await publish(
+            redis_client,
+            request,
+            [delta, protocol.delta_event(request.id, 3, "!", [3], 2), resumed_event(request.id, 3, 3)],
+        )
+        await publish(redis_client, request, [protocol.done_event(request.id, 4, "length", 5, 3, 0)])
 
     await announce(redis_client)
-    worker = asyncio.create_task(serve([]))
+    requests: list = []
+    worker = asyncio.create_task(_break_the_subscription_mid_answer(redis_client, requests, send_again))
     status, body = await _post(gateway_url, {**CHAT, "stream": True})
     await worker
-    assert status == 200 and "Hello" in body and "answer may be lost" in body and "[DONE]" not in body
-    async with worker_running(redis_client, words_script(["fine"])):  # and the next request is served normally
-        assert (await _post(gateway_url, CHAT))[0] == 200
+    assert status == 200 and "[DONE]" in body and "error" not in body, body
+    text = "".join(
+        json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        for line in body.splitlines()
+        if line.startswith("data: {") and json.loads(line[6:]).get("choices")
+    )
+    assert text == "Hello world!", body
+    (request,) = requests
+    assert (asked[0].id, asked[0].seq, asked[0].offset) == (request.id, 1, 1)
+    assert asked[0].digest == request.cancel_digest  # only this gateway's token makes a worker send again
+
+
+async def test_a_broken_reply_subscription_no_worker_answers_the_resume_the_request_fails_visibly(
+    redis_url, redis_client
+):
+    """Events published while the subscription was away are gone and nobody sends them again: the
+    request must not just go on. It ends with an error once `resume_timeout` has passed."""
+
+    async def ignore(request, resume):
+        await publish(redis_client, request, [protocol.done_event(request.id, 3, "length", 5, 2, 0)])  # a hole: dropped
+
+    await announce(redis_client)
+    async with running_gateway(redis_url, pickup_timeout=1.0, request_timeout=20.0, resume_timeout=1.5) as gateway:
+        worker = asyncio.create_task(_break_the_subscription_mid_answer(redis_client, [], ignore))
+        status, body = await _post(gateway, {**CHAT, "stream": True})
+        await worker
+        assert status == 200 and "Hello" in body and "answer may be lost" in body and "[DONE]" not in body
+        async with worker_running(redis_client, words_script(["fine"])):  # and the next request is served normally
+            assert (await _post(gateway, CHAT))[0] == 200
 
 
 async def test_not_ready_until_the_reply_subscription_is_back(fresh_redis_server):

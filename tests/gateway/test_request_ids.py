@@ -16,6 +16,7 @@ import pytest
 
 import protocol
 from gateway.choices import Choices, choice_requests
+from gateway.config import GatewayConfig
 from gateway.replies import AlreadyOpen, ReplyRouter
 from gateway.sharded_replies import ShardedReplyRouter
 from protocol.keys import sharded
@@ -158,7 +159,7 @@ def test_on_a_cluster_each_choice_replies_on_its_own_shards_channel():
     reply outside the entry's shard: each choice must name its own shard's channel."""
     shards = sharded(12)
     router = ShardedReplyRouter(redis=None, shards=shards, gateway_id="g1")  # type: ignore[arg-type]
-    gateway = types.SimpleNamespace(replies=router, metrics=_NoMetrics())
+    gateway = types.SimpleNamespace(replies=router, metrics=_NoMetrics(), config=GatewayConfig())
     base = protocol.Request(
         id="job-77",
         model=MODEL,

@@ -215,11 +215,17 @@ class Stack:
         self.workers.append(name)
         return name
 
-    def start_gateway(self) -> str:
+    def start_gateway(self, **settings: str) -> str:
         self._started += 1
         name = f"gateway-{self._started}"
         port = free_tcp_port()
-        environment = {**_clean_environment(), **GATEWAY_SETTINGS, "REDIS_URL": self.url, "PORT": str(port)}
+        environment = {
+            **_clean_environment(),
+            **GATEWAY_SETTINGS,
+            **settings,
+            "REDIS_URL": self.url,
+            "PORT": str(port),
+        }
         self.processes.start(name, [str(LMQ), "gateway"], environment)
         self.gateways.append(name)
         self.gateway_urls[name] = f"http://127.0.0.1:{port}"

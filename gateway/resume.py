@@ -1,0 +1,86 @@
+"""One open request's way back after the reply subscription broke (protocol/resume.py).
+
+The router (replies.py) tells each open request when its subscription broke (`INTERRUPTED`) and
+when it is subscribed again (`RESUBSCRIBED`). From the break the request waits up to
+`resume_timeout` seconds for its worker; once subscribed it asks on `lmq:resume` for every event
+after the last one it relayed, and asks again each RETRY_S until the worker's `resumed` event
+comes (a worker re-subscribing after the same fault may miss the first ask). Until then events are
+taken only in order: one already relayed (its `seq` at or below the last relayed) is dropped, and
+so is one that would leave a hole (a delta past the relayed tokens, a `done` that counts more),
+since the worker sends it again after the ones before it. No answer within the bound: the client
+gets the `unavailable` error it got before resuming existed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+import protocol
+from protocol.resume import RESUME_CHANNEL, resume_message
+
+log = logging.getLogger(__name__)
+
+INTERRUPTED = "lmq.interrupted"  # router-made event types: never on the wire (workers send no dotted type)
+RESUBSCRIBED = "lmq.resubscribed"
+RETRY_S = 1.0
+GAVE_UP = "the connection to the request queue broke while the request ran; part of its answer may be lost: retry"
+
+
+def marker(kind: str, request_id: str) -> dict[str, Any]:
+    return {"type": kind, "id": request_id}
+
+
+class Resumption:
+    """The resume state of one request; `now` is time.monotonic()."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.until: float | None = None  # resuming until then; None = not resuming
+        self._ask_at: float | None = None  # when to ask (again); None = not subscribed yet
+
+    @property
+    def active(self) -> bool:
+        return self.until is not None
+
+    def interrupted(self, now: float) -> None:
+        if self.until is None:
+            self.until = now + self.timeout
+        self._ask_at = None
+
+    def resubscribed(self, now: float) -> None:
+        if self.until is None:  # a break noticed only by a second subscription: events may be lost all the same
+            self.until = now + self.timeout
+        self._ask_at = now
+
+    def ask_in(self, now: float) -> float | None:
+        """Seconds until the next ask (0: now), None when none is due."""
+        return None if self.until is None or self._ask_at is None else max(self._ask_at - now, 0.0)
+
+    def asked(self, now: float) -> None:
+        self._ask_at = now + RETRY_S
+
+    def answered(self) -> None:
+        self.until = self._ask_at = None
+
+    @staticmethod
+    def in_order(event: dict[str, Any], last_seq: int, relayed: int) -> bool:
+        """Whether an event may be relayed while resuming: new, and leaving no hole."""
+        if int(event.get("seq", 0)) <= last_seq:
+            return False
+        if event.get("type") == "delta":
+            return int(event.get("offset", 0)) == relayed
+        if event.get("type") == "done":
+            return int((event.get("usage") or {}).get("completion_tokens", 0)) <= relayed
+        return True
+
+
+async def ask(redis: aioredis.Redis, request: protocol.Request, seq: int, offset: int, token: str) -> None:
+    """Ask the request's worker for every event after `seq` (a failed ask is retried by the caller's loop)."""
+    try:
+        await redis.publish(RESUME_CHANNEL, resume_message(request.id, seq, offset, token))
+    except RedisError as exc:
+        log.info("request_id=%s: could not ask for a resume yet (%s)", request.id, exc)
