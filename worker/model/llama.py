@@ -7,18 +7,9 @@ import torch.nn.functional as F
 
 from worker.batch import PagedKV, StepBatch
 from worker.model.config import ModelConfig
+from worker.model.norm import RMSNorm
 from worker.model.paged_attention import AttentionPlan, paged_attention, plan_attention
 from worker.model.rope import Rotary, apply_rotary
-
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class DecoderLayer(torch.nn.Module):
