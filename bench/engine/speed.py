@@ -48,7 +48,7 @@ MODES = [
     "bfloat16/none",
     "bfloat16/int8",
     "float32/none",
-]  # auto: the default (worker/model/weight_choice.py)
+]  # auto: the default (worker/model/loader.py: int4, int8 head, dense copies for long prompts)
 
 
 def prompt_ids(model: LoadedModel, length: int, salt: int) -> list[int]:
