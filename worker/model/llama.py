@@ -73,12 +73,9 @@ class LlamaModel(torch.nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rotary = Rotary(config)
-        self.native_steps = None  # worker/model/native_llama.py attaches it where the CPU can run it
 
     @torch.no_grad()
     def forward(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:
-        if self.native_steps is not None and self.native_steps.takes(batch, kv):
-            return self.native_steps.forward(batch, kv)
         device = self.embed_tokens.device
         plan = plan_attention(batch, kv.page_size, device)
         slots = batch.slots.to(device)
