@@ -84,6 +84,8 @@ def native_refusal(loaded) -> str | None:
 
     if loaded.cpu_steps == "torch":
         return "--cpu-steps torch"
+    if loaded.device.type != "cpu":
+        return f"it runs on the CPU, not {loaded.device}"
     if loaded.dtype != torch.bfloat16 or loaded.quant != "int4":
         return f"it runs bfloat16/int4 weights, not {str(loaded.dtype).removeprefix('torch.')}/{loaded.quant}"
     if loaded.checkpoint is None:
