@@ -126,9 +126,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     config = SHAPES[args.shape]
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory() as directory:  # the native step packs its weights from the files
         path = write_hf_dir(pathlib.Path(directory), config, random_weights(config))
         loaded = load_model(str(path), device="cpu")  # the default mode: bfloat16, int4, native steps
+        run(loaded, args)
+
+
+def run(loaded: LoadedModel, args: argparse.Namespace) -> None:
     threads = torch.get_num_threads()
     backends = {"torch": CpuTorchBackend(loaded, threads), "native": select_backend(loaded, max_threads=threads)}
     assert backends["native"].name == "cpu-native", "the native step does not serve this shape"

@@ -17,6 +17,7 @@ take fails here instead of passing on the torch path.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import random
 
@@ -31,7 +32,7 @@ from worker.native import build
 from worker.runtime.cpu_native import CpuNativeBackend
 from worker.runtime.cpu_torch import CpuTorchBackend
 from worker.runtime.native_step import unsupported
-from worker.runtime.select import select_backend
+from worker.runtime.select import native_refusal, select_backend
 
 pytestmark = pytest.mark.skipif(
     build.missing_requirements() is not None, reason=f"native step: {build.missing_requirements()}"
@@ -153,5 +154,19 @@ def test_a_mixture_of_experts_is_refused_with_its_reason(tmp_path: pathlib.Path)
     spec = TinyFamily(spec.name, spec.model_class, {**spec.config, **NATIVE_SHAPE}, spec.gguf_arch)
     loaded = load_model(str(make_family_model(spec, tmp_path)), dtype="bfloat16", quant="int4", device="cpu")
     assert "mixture of experts" in unsupported(loaded.model, loaded.checkpoint)
-    assert isinstance(select_backend(loaded, max_threads=1), CpuTorchBackend)
-    assert not isinstance(select_backend(loaded, max_threads=1), CpuNativeBackend)
+    assert type(select_backend(loaded, max_threads=1)) is CpuTorchBackend
+
+
+def test_shapes_the_kernel_cannot_take_and_cpu_steps_torch_stay_on_torch(tmp_path: pathlib.Path) -> None:
+    spec = FAMILY_BY_NAME["qwen3"]  # head_dim 32, hidden 64
+    loaded = load_model(str(make_family_model(spec, tmp_path / "small")), dtype="bfloat16", quant="int4", device="cpu")
+    assert "head_dim 64, 128 or 256" in native_refusal(loaded)
+    assert type(select_backend(loaded, max_threads=1)) is CpuTorchBackend
+    fits = load_model(
+        str(make_family_model(_spec("qwen3"), tmp_path / "fits")), dtype="bfloat16", quant="int4", device="cpu"
+    )
+    assert native_refusal(fits) is None
+    assert native_refusal(dataclasses.replace(fits, cpu_steps="torch")) == "--cpu-steps torch"
+    assert "bfloat16/int4" in native_refusal(dataclasses.replace(fits, quant="int8"))
+    assert "built in memory" in native_refusal(dataclasses.replace(fits, checkpoint=None))
+    assert type(select_backend(dataclasses.replace(fits, cpu_steps="torch"), max_threads=1)) is CpuTorchBackend

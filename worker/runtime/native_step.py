@@ -181,13 +181,8 @@ def model_form(model: torch.nn.Module) -> ModelForm | str:
     """The model's native form, or why it has none."""
     if type(model) is LlamaModel:
         count = len(model.layers)
-        rotaries, layer_rotary, windows, embed_scale, final_softcap = (
-            [model.rotary],
-            [0] * count,
-            [0] * count,
-            None,
-            None,
-        )
+        rotaries, layer_rotary, windows = [model.rotary], [0] * count, [0] * count
+        embed_scale = final_softcap = None
     elif type(model) is DecoderModel:
         rotaries, layer_rotary, windows = list(model.rotaries), list(model.layer_rotary), list(model.layer_windows)
         embed_scale, final_softcap = model.embed_scale, model.final_softcap
@@ -225,7 +220,9 @@ def unsupported(model: torch.nn.Module, checkpoint: Checkpoint) -> str | None:
     config = model.config
     if not _shapes_fit(config):
         return (
-            f"the model's shapes do not fit the kernel (head_dim {config.head_dim}, hidden {config.hidden_size}, ...)"
+            "the kernel takes head_dim 64, 128 or 256 and widths that are multiples of 64 (this model: head_dim "
+            f"{config.head_dim}, hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
+            f"{config.num_heads} heads, {config.num_kv_heads} KV heads)"
         )
     qkv_biases = {
         name + ".bias" for index in range(config.num_layers) for name in projection_names(checkpoint, index)[0]
