@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 # import this module first; a value the user set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # ...but a thread that sleeps at once turns each of the native step's ~300 barriers (one OpenMP team per
-# step, worker/native/llama_step.cpp) into a futex wake-up: the default model's step at batch 1 took
+# step, worker/native/decoder_step.cpp) into a futex wake-up: the default model's step at batch 1 took
 # 15 ms on 2 threads against 5 on one. A short spin first (3,000 pauses, ~0.1 ms) gives 2.7 ms on 2 threads.
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 

@@ -29,19 +29,20 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from worker.batch import PagedKV, StepBatch
 from worker.model.loader import LoadedModel, load_model
+from worker.runtime.select import select_backend
 
 REFERENCE_NAME = "smollm2-greedy.json"
 REFERENCE_DIRS = [Path(__file__).resolve().parents[3] / "shared" / "reference", Path("/work/shared/reference")]
 EOS_ID = 2  # the reference suppressed EOS (min_new_tokens) for all 32 steps
 CLEAR_MARGIN = 0.5  # logits between float32's best and second-best token
-# bfloat16/int4 runs on the native step where the CPU has AVX-512 VNNI (worker/model/native_llama.py); /torch: torch's
+# bfloat16/int4 runs on the native step where the CPU has AVX-512 VNNI (worker/runtime/native_step.py); /torch: torch's
 MODES = ["bfloat16/none", "bfloat16/int4", "bfloat16/int4/torch", "bfloat16/int8", "float32/int4"]
 PAGE_SIZE = 16
 
@@ -74,7 +75,19 @@ def teacher_forced_logits(loaded: LoadedModel, prompt_ids: Sequence[int], contin
         page_tables=torch.arange(pages)[None, :],
         logits_indices=torch.arange(len(prompt_ids) - 1, len(tokens)),
     )
-    return loaded.model(batch, kv).float().cpu()
+    return step_forward(loaded)(batch, kv).float().cpu()
+
+
+_BACKENDS: dict[int, tuple[torch.nn.Module, Callable]] = {}  # id(model) -> (the model, kept alive; its forward)
+
+
+def step_forward(loaded: LoadedModel) -> Callable:
+    """The forward the worker would run `loaded`'s steps with: its step backend's (worker/runtime/select.py),
+    the native step included where it serves the mode, built once per model."""
+    key = id(loaded.model)
+    if key not in _BACKENDS or _BACKENDS[key][0] is not loaded.model:
+        _BACKENDS[key] = (loaded.model, select_backend(loaded, max_threads=torch.get_num_threads()).forward)
+    return _BACKENDS[key][1]
 
 
 def chat_logits(loaded: LoadedModel, chats: Sequence[dict]) -> list[torch.Tensor]:

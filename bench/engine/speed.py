@@ -48,7 +48,7 @@ MODES = [
     "bfloat16/none",
     "bfloat16/int8",
     "float32/none",
-]  # auto: the default (worker/model/weight_choice.py)
+]  # auto: the default (worker/model/loader.py: int4, int8 head, dense copies for long prompts)
 
 
 def prompt_ids(model: LoadedModel, length: int, salt: int) -> list[int]:
@@ -92,12 +92,17 @@ class StepProbe:
         llama.paged_attention = self._timed(originals[3], "attention_s")
         forward = engine.backend.model
         engine.backend.model = self._timed(forward, "model_s")
+        native = getattr(engine.backend, "native", None)  # the cpu-native backend calls its native step directly
+        if native is not None:
+            native.forward = self._timed(type(native).forward.__get__(native), "model_s")
 
         def undo() -> None:
             backend_module.build_step_batch, engine_module.sample, llama.plan_attention, llama.paged_attention = (
                 originals
             )
             engine.backend.model = forward
+            if native is not None:
+                del native.forward
 
         return undo
 

@@ -1,4 +1,4 @@
-"""The native step (worker/model/native_llama.py) against float32 and against the torch path it replaces.
+"""The native step (worker/runtime/native_step.py, through the cpu-native backend) against float32 and against the torch path it replaces.
 
 It serves the default model's steps in the default CPU mode, so it is held to the same quality bar as
 bfloat16/int4 (tests/worker/model/test_reference.py, whose teacher forcing is one prompt chunk) over teacher-forced
@@ -19,8 +19,10 @@ from tests.support.reference_data import load_reference
 from tests.worker.model.test_reference import LIMITS
 from worker.batch import PagedKV
 from worker.model.loader import LoadedModel, load_model
-from worker.model.native_llama import AMX_FROM_ROWS, amx_usable
 from worker.native import build
+from worker.runtime.cpu_native import CpuNativeBackend
+from worker.runtime.native_step import AMX_FROM_ROWS, amx_usable
+from worker.runtime.select import select_backend
 
 PAGE = 16
 
@@ -29,46 +31,48 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def int4_model() -> LoadedModel:
-    loaded = load_model(dtype="bfloat16", quant="int4", device="cpu")
-    assert loaded.model.native_steps is not None, (
-        "the loader attaches the native step where the CPU has VNNI and g++ exists"
-    )
-    return loaded
+def _native_backend(loaded: LoadedModel) -> CpuNativeBackend:
+    backend = select_backend(loaded, max_threads=torch.get_num_threads())
+    assert isinstance(backend, CpuNativeBackend), "the selector picks the native step where the CPU has VNNI and g++"
+    return backend
 
 
 @pytest.fixture(scope="module")
-def invariant_model() -> LoadedModel:
-    loaded = load_model(dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")
-    native = loaded.model.native_steps
+def int4_model() -> CpuNativeBackend:
+    return _native_backend(load_model(dtype="bfloat16", quant="int4", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def invariant_model() -> CpuNativeBackend:
+    backend = _native_backend(load_model(dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant"))
+    native = backend.native
     assert native.max_rows is None and native.struct.amx_from_rows == 0, "every step native, none on tiles"
-    return loaded
+    return backend
 
 
-def _tiles_here(loaded: LoadedModel) -> bool:
-    return amx_usable(loaded.model.native_steps.library)
+def _tiles_here(backend: CpuNativeBackend) -> bool:
+    return amx_usable(backend.native.library)
 
 
-def _teacher_forced_decodes(loaded: LoadedModel, cases: list[dict]) -> list[torch.Tensor]:
+def _teacher_forced_decodes(backend: CpuNativeBackend, cases: list[dict]) -> list[torch.Tensor]:
     """Per case, logits [32, vocab]: its prompt in one prefill, then each reference token as a decode step, all cases together."""
     per_seq = max(-(-(len(case["prompt_ids"]) + len(case["greedy_ids"])) // PAGE) for case in cases)
-    kv = allocate_kv(loaded.config, num_pages=per_seq * len(cases), page_size=PAGE, dtype=loaded.dtype)
+    kv = allocate_kv(backend.config, num_pages=per_seq * len(cases), page_size=PAGE, dtype=torch.bfloat16)
     pages = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(cases))]
-    logits = loaded.model(make_batch([Chunk(case["prompt_ids"], 0, p) for case, p in zip(cases, pages)], PAGE), kv)
+    logits = backend.forward(make_batch([Chunk(case["prompt_ids"], 0, p) for case, p in zip(cases, pages)], PAGE), kv)
     rows: list[list[torch.Tensor]] = [[row] for row in logits]
-    native = loaded.model.native_steps
+    native = backend.native
     for step in range(len(cases[0]["greedy_ids"]) - 1):
         chunks = [Chunk([case["greedy_ids"][step]], len(case["prompt_ids"]) + step, p) for case, p in zip(cases, pages)]
         batch = make_batch(chunks, PAGE)
         assert native.takes(batch, kv)
-        for out, row in zip(rows, loaded.model(batch, kv)):
+        for out, row in zip(rows, backend.forward(batch, kv)):
             out.append(row)
     return [torch.stack(out) for out in rows]
 
 
 @pytest.mark.slow
-def test_native_stepss_stay_close_to_float32(int4_model: LoadedModel) -> None:
+def test_native_steps_stay_close_to_float32(int4_model: CpuNativeBackend) -> None:
     reference = load_reference()
     float32 = load_model(dtype="float32", quant="none", device="cpu")
     base = chat_logits(float32, reference["chat"])
@@ -82,10 +86,10 @@ def test_native_stepss_stay_close_to_float32(int4_model: LoadedModel) -> None:
 
 
 def _decode_logits(
-    loaded: LoadedModel, kv: PagedKV, prompts: list[list[int]], rows: list[int], threads: int | None = None
+    backend: CpuNativeBackend, kv: PagedKV, prompts: list[list[int]], rows: list[int], threads: int | None = None
 ) -> torch.Tensor:
     """One decode step of `rows` (indices into prompts, each prefilled in its own pages) on a copy of kv."""
-    native = loaded.model.native_steps
+    native = backend.native
     kv = PagedKV(k=kv.k.clone(), v=kv.v.clone())
     batch = make_batch([Chunk([7], len(prompts[r]), list(range(r * 4, r * 4 + 4))) for r in rows], PAGE)
     saved = native.threads
@@ -97,15 +101,19 @@ def _decode_logits(
 
 
 @pytest.fixture(scope="module")
-def prefilled(int4_model: LoadedModel) -> tuple[PagedKV, list[list[int]]]:
+def prefilled(int4_model: CpuNativeBackend) -> tuple[PagedKV, list[list[int]]]:
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(100, 40000, (20 + 9 * i,), generator=generator).tolist() for i in range(5)]
     kv = allocate_kv(int4_model.config, num_pages=4 * len(prompts), page_size=PAGE, dtype=torch.bfloat16)
-    int4_model.model(make_batch([Chunk(p, 0, list(range(i * 4, i * 4 + 4))) for i, p in enumerate(prompts)], PAGE), kv)
+    int4_model.forward(
+        make_batch([Chunk(p, 0, list(range(i * 4, i * 4 + 4))) for i, p in enumerate(prompts)], PAGE), kv
+    )
     return kv, prompts
 
 
-def test_a_sequence_gets_the_same_logits_whatever_it_is_batched_with(invariant_model: LoadedModel, prefilled) -> None:
+def test_a_sequence_gets_the_same_logits_whatever_it_is_batched_with(
+    invariant_model: CpuNativeBackend, prefilled
+) -> None:
     kv, prompts = prefilled
     alone = _decode_logits(invariant_model, kv, prompts, [2])
     for rows in ([0, 1, 2, 3, 4], [2, 4], [4, 3, 2, 1, 0, 0, 1, 3, 4], [0, 1, 2, 3, 4] * 4):
@@ -113,18 +121,20 @@ def test_a_sequence_gets_the_same_logits_whatever_it_is_batched_with(invariant_m
         assert torch.equal(batched[rows.index(2)], alone[0]), rows
 
 
-def test_thread_count_does_not_change_the_logits(int4_model: LoadedModel, prefilled) -> None:
+def test_thread_count_does_not_change_the_logits(int4_model: CpuNativeBackend, prefilled) -> None:
     kv, prompts = prefilled
     for rows in ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4] * 2):  # VNNI, and AMX tiles where the CPU has them
         one, two = (_decode_logits(int4_model, kv, prompts, rows, threads) for threads in (1, 2))
         assert torch.equal(one, two), len(rows)
 
 
-def test_steps_on_tiles_stay_close_to_vnni_and_invariant_among_themselves(int4_model: LoadedModel, prefilled) -> None:
+def test_steps_on_tiles_stay_close_to_vnni_and_invariant_among_themselves(
+    int4_model: CpuNativeBackend, prefilled
+) -> None:
     if not _tiles_here(int4_model):
         pytest.skip("no AMX tiles on this CPU")
     kv, prompts = prefilled
-    native = int4_model.model.native_steps
+    native = int4_model.native
     assert native.struct.amx_from_rows == AMX_FROM_ROWS
     rows = [0, 1, 2, 3, 4] * 2
     tiles = _decode_logits(int4_model, kv, prompts, rows)
@@ -145,19 +155,14 @@ def test_steps_on_tiles_stay_close_to_vnni_and_invariant_among_themselves(int4_m
 
 @pytest.mark.parametrize("copies", [1, 2])  # 5 rows on VNNI; 10 on AMX tiles where the CPU has them
 def test_native_step_writes_the_kv_and_logits_the_torch_path_would(
-    int4_model: LoadedModel, prefilled, copies: int
+    int4_model: CpuNativeBackend, prefilled, copies: int
 ) -> None:
     kv, prompts = prefilled
-    model = int4_model.model
     chunks = [Chunk([11], len(p), list(range(i * 4, i * 4 + 4))) for i, p in enumerate(prompts)]
     batch = make_batch(chunks * copies, PAGE)
     native_kv, torch_kv = PagedKV(k=kv.k.clone(), v=kv.v.clone()), PagedKV(k=kv.k.clone(), v=kv.v.clone())
-    native_logits = model.native_steps.forward(batch, native_kv)
-    saved, model.native_steps = model.native_steps, None
-    try:
-        torch_logits = model(batch, torch_kv)
-    finally:
-        model.native_steps = saved
+    native_logits = int4_model.native.forward(batch, native_kv)
+    torch_logits = int4_model.model(batch, torch_kv)  # the torch model: no hook inside it any more
     written = batch.slots
     for pool_native, pool_torch in ((native_kv.k, torch_kv.k), (native_kv.v, torch_kv.v)):
         flat_native = pool_native.view(pool_native.shape[0], -1, *pool_native.shape[3:])
@@ -175,8 +180,8 @@ def test_native_step_writes_the_kv_and_logits_the_torch_path_would(
     assert (native_logits.argmax(-1) == torch_logits.argmax(-1)).float().mean() >= 0.8
 
 
-def test_a_prompt_in_one_chunk_gives_what_decoding_it_token_by_token_gives(invariant_model: LoadedModel) -> None:
-    model, prompt = invariant_model.model, [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30]
+def test_a_prompt_in_one_chunk_gives_what_decoding_it_token_by_token_gives(invariant_model: CpuNativeBackend) -> None:
+    model, prompt = invariant_model.forward, [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30]
     chunked = allocate_kv(invariant_model.config, num_pages=2, page_size=PAGE, dtype=torch.bfloat16)
     stepped = allocate_kv(invariant_model.config, num_pages=2, page_size=PAGE, dtype=torch.bfloat16)
     whole = model(make_batch([Chunk(prompt, 0, [0])], PAGE), chunked)
@@ -186,26 +191,31 @@ def test_a_prompt_in_one_chunk_gives_what_decoding_it_token_by_token_gives(invar
     assert torch.equal(chunked.k, stepped.k) and torch.equal(chunked.v, stepped.v)
 
 
-def test_a_prompt_chunk_next_to_decodes_changes_neither(invariant_model: LoadedModel, prefilled) -> None:
+def test_a_prompt_chunk_next_to_decodes_changes_neither(invariant_model: CpuNativeBackend, prefilled) -> None:
     kv, prompts = prefilled
     decodes = _decode_logits(invariant_model, kv, prompts, [0, 1])
     prompt = [1, 9690, 198, 2683, 359]
-    alone = invariant_model.model(make_batch([Chunk(prompt, 0, [19])], PAGE), PagedKV(k=kv.k.clone(), v=kv.v.clone()))
+    alone = invariant_model.forward(make_batch([Chunk(prompt, 0, [19])], PAGE), PagedKV(k=kv.k.clone(), v=kv.v.clone()))
     mixed_batch = make_batch(
         [Chunk([7], len(prompts[0]), [0, 1, 2, 3]), Chunk(prompt, 0, [19]), Chunk([7], len(prompts[1]), [4, 5, 6, 7])],
         PAGE,
     )
-    mixed = invariant_model.model(mixed_batch, PagedKV(k=kv.k.clone(), v=kv.v.clone()))
+    mixed = invariant_model.forward(mixed_batch, PagedKV(k=kv.k.clone(), v=kv.v.clone()))
     assert torch.equal(mixed[0], decodes[0]) and torch.equal(mixed[2], decodes[1]) and torch.equal(mixed[1], alone[0])
 
 
-def test_steps_of_max_rows_tokens_or_more_stay_on_torch(int4_model: LoadedModel, prefilled) -> None:
+def test_steps_of_max_rows_tokens_or_more_run_on_the_torch_path_of_the_same_backend(
+    int4_model: CpuNativeBackend, prefilled
+) -> None:
     kv, _ = prefilled
-    native = int4_model.model.native_steps
+    native = int4_model.native
     saved, native.max_rows = native.max_rows, 8
     try:
         assert native.takes(make_batch([Chunk(list(range(7)), 0, [19])], PAGE), kv)
         assert not native.takes(make_batch([Chunk(list(range(8)), 0, [19])], PAGE), kv)
+        native_steps, torch_steps = int4_model.served["native"], int4_model.served["torch"]
+        int4_model.forward(make_batch([Chunk(list(range(8)), 0, [19])], PAGE), PagedKV(k=kv.k.clone(), v=kv.v.clone()))
+        assert int4_model.served["torch"] == torch_steps + 1 and int4_model.served["native"] == native_steps
     finally:
         native.max_rows = saved
     assert not native.takes(make_batch([Chunk([5], 3, [19])], PAGE), PagedKV(k=kv.k.float(), v=kv.v.float()))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from worker.batch import PagedKV, StepBatch
 from worker.model.config import ModelConfig
-from worker.model.llama import RMSNorm
+from worker.model.norm import RMSNorm
 from worker.model.paged_attention import AttentionPlan, paged_attention, plan_attention
 from worker.model.rope import Rotary, apply_partial_rotary, apply_rotary
 
@@ -86,7 +86,7 @@ class GatedMLP(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.gate_up, self.down, self.intermediate_size = gate_up, down, intermediate_size
-        self.act = activation(act)
+        self.activation, self.act = act, activation(act)  # the name: what the native step reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)

@@ -7,18 +7,9 @@ import torch.nn.functional as F
 
 from worker.batch import PagedKV, StepBatch
 from worker.model.config import ModelConfig
+from worker.model.norm import RMSNorm
 from worker.model.paged_attention import AttentionPlan, paged_attention, plan_attention
 from worker.model.rope import Rotary, apply_rotary
-
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -82,12 +73,9 @@ class LlamaModel(torch.nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rotary = Rotary(config)
-        self.native_steps = None  # worker/model/native_llama.py attaches it where the CPU can run it
 
     @torch.no_grad()
     def forward(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:
-        if self.native_steps is not None and self.native_steps.takes(batch, kv):
-            return self.native_steps.forward(batch, kv)
         device = self.embed_tokens.device
         plan = plan_attention(batch, kv.page_size, device)
         slots = batch.slots.to(device)

@@ -16,16 +16,10 @@ from worker.model.build import build_model
 from worker.model.chat_template import ChatTemplate
 from worker.model.checkpoint import Checkpoint
 from worker.model.config import ModelConfig
+from worker.model.dense_copies import dense_copies_fit
 from worker.model.gguf_loader import read_gguf_checkpoint
 from worker.model.hf_loader import read_hf_checkpoint
-from worker.model.native_llama import attach_native_steps
-from worker.model.weight_choice import choose_cpu_weights, dense_copies_fit
-from worker.runtime.select import (
-    native_steps_wanted,
-    resolve_device,
-    resolve_weight_mode,
-    tiered_cpu_weights,
-)  # noqa: F401 - re-exported
+from worker.runtime.select import resolve_device, resolve_weight_mode, tiered_cpu_weights
 from worker.token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
@@ -43,13 +37,12 @@ END_OF_TURN_TOKENS = (
     "<|endoftext|>",
     "<|end_of_text|>",
 )
-MEASURE_WEIGHTS = False
 # quant auto on a CPU: the output head runs on int8 weights (per row) for steps sampling fewer sequences than this
 # (the head of a decode step at batch 1: 8.5-9.8 -> 4.8 ms on one core of the Intel machine; mean KL from float32
 # 0.0011 -> 0.0023, the bar being 0.005) and on packed bfloat16 (the same results as F.linear) from there on.
 HEAD_INT8_BELOW = 8
-# quant auto on a CPU, without the measurement: steps of this many rows or more (a long prompt's chunks) run on
-# packed bfloat16 copies (AMX where the CPU has it) when they fit (weight_choice.dense_copies_fit): a 1,494-token
+# quant auto on a CPU: steps of this many rows or more (a long prompt's chunks) run on
+# packed bfloat16 copies (AMX where the CPU has it) when they fit (dense_copies.dense_copies_fit): a 1,494-token
 # prompt's first token 5.2 -> 1.3 s on the Intel machine, while short prompts and decodes keep the int4 weights.
 DENSE_FROM_ROWS = 128
 
@@ -70,6 +63,10 @@ class LoadedModel:
     parameter_count: int
     dense_from_rows: int | None = None  # steps of this many rows or more run on packed dense copies (quant auto, CPU)
     head_int8_below: int | None = None  # the output head runs on int8 weights below this many rows (quant auto, CPU)
+    # What worker/runtime/select.py chooses the step backend by: --cpu-steps, and the checkpoint the native
+    # step packs its weights from (the int4 blocks as the file stores them). None: a model built in memory.
+    cpu_steps: str = "native"
+    checkpoint: Checkpoint | None = None
 
 
 def default_model_path() -> pathlib.Path:
@@ -110,26 +107,21 @@ def load_model(
     device: str = "auto",
     cpu_steps: str = "native",
 ) -> LoadedModel:
-    """cpu_steps "native": bfloat16/int4 on a CPU with AVX-512 VNNI (and a C++ compiler, once) runs a Llama model's
-    steps of fewer than DENSE_FROM_ROWS tokens as one native call each (worker/model/native_llama.py): the default
-    model's decode step at batch 1, 24 -> 3 ms on two cores of the Intel machine; "invariant": every step native and
-    batch-invariant (no AMX tiles, no torch for long prompts); "torch" keeps every step on torch."""
+    """cpu_steps: "native" (the default), "invariant" or "torch", kept for worker/runtime/select.py, which decides
+    whether the native step (worker/runtime/native_step.py) serves the model's steps."""
     model_path = pathlib.Path(path) if path else default_model_path()
     torch_device = resolve_device(device)
-    # The measured choice (weight_choice.py) stays off until its tiered weights pass the reference and
-    # quality tests: prefill on dense bf16 copies changes the default model's greedy answers ("What is the
-    # capital of France?" starts "L'Étoile" instead of "The capital of France is Paris": the bfloat16/none
-    # tie of docs/weight-modes.md, tests/system/test_serve.py). The int8 output head, and dense copies only from
-    # DENSE_FROM_ROWS rows (no short prompt's step reaches them), keep them.
+    # quant auto on a CPU: the int8 output head, and dense copies only from DENSE_FROM_ROWS rows (no short
+    # prompt's step reaches them). A prefill of short prompts on dense bf16 copies changed the default model's
+    # greedy answers ("What is the capital of France?" starts "L'Étoile" instead of "The capital of France is
+    # Paris": the bfloat16/none tie of docs/weight-modes.md), so they never serve short steps.
     auto_cpu = tiered_cpu_weights(dtype, quant, torch_device)
     torch_dtype, quant = resolve_weight_mode(dtype, quant, torch_device)
     checkpoint = _read_checkpoint(model_path)
     dense_from_rows = head_int8_below = None
     weights_note = ""
     if auto_cpu:
-        quant, dense_from_rows, head_int8_below, weights_note = _cpu_tiers(
-            checkpoint, torch_dtype, quant, MEASURE_WEIGHTS
-        )
+        quant, dense_from_rows, head_int8_below, weights_note = _cpu_tiers(checkpoint, torch_dtype, quant)
     model = build_model(
         checkpoint.config,
         checkpoint.weights,
@@ -140,12 +132,6 @@ def load_model(
         dense_from_rows,
         head_int8_below,
     )
-    if native_steps_wanted(quant, cpu_steps):  # attach_native_steps checks the device and dtype
-        attached = attach_native_steps(model, checkpoint, dense_from_rows, invariant=cpu_steps == "invariant")
-        if cpu_steps == "invariant" and not attached:
-            log.warning(
-                "cpu_steps invariant: the native step does not run this model, mode or machine; torch's steps depend on the batch"
-            )
     parameter_count = sum(math.prod(source.shape) for source in checkpoint.weights.values())
     log.info(
         "loaded %s from %s: %.1fM parameters, dtype %s, quant %s%s, device %s",
@@ -177,23 +163,14 @@ def load_model(
         parameter_count=parameter_count,
         dense_from_rows=dense_from_rows,
         head_int8_below=head_int8_below,
+        cpu_steps=cpu_steps,
+        checkpoint=checkpoint,
     )
 
 
-def _cpu_tiers(
-    checkpoint: Checkpoint, dtype: torch.dtype, quant: str, measure: bool
-) -> tuple[str, int | None, int, str]:
+def _cpu_tiers(checkpoint: Checkpoint, dtype: torch.dtype, quant: str) -> tuple[str, int | None, int, str]:
     """`quant auto` on a CPU: (quant, dense_from_rows, head_int8_below, a note for the log)."""
-    dense_bytes = _dense_bytes(checkpoint, dtype)
-    if measure:
-        choice = choose_cpu_weights(checkpoint.config, dtype, dense_bytes)
-        return (
-            choice.quant,
-            choice.dense_from_rows,
-            choice.dense_from_rows or HEAD_INT8_BELOW,
-            f" ({choice.describe()})",
-        )
-    dense_from_rows = DENSE_FROM_ROWS if dense_copies_fit(dtype, dense_bytes) else None
+    dense_from_rows = DENSE_FROM_ROWS if dense_copies_fit(dtype, _dense_bytes(checkpoint, dtype)) else None
     dense_note = f", packed bfloat16 copies from {dense_from_rows} rows" if dense_from_rows else ""
     return quant, dense_from_rows, HEAD_INT8_BELOW, f" (output head int8 below {HEAD_INT8_BELOW} rows{dense_note})"
 

@@ -3,7 +3,7 @@
 int8 runs on `aten._weight_int8pack_mm`, int4 on `aten._weight_int4pack_mm_for_cpu` (CPU only);
 activations stay in the compute dtype (float32 or bfloat16) in every mode.
 
-The CPU's `auto` mode (worker/model/weight_choice.py) adds two: `PackedLinear`, dense weights laid
+The CPU's `auto` mode (worker/model/loader.py) adds two: `PackedLinear`, dense weights laid
 out once for oneDNN (AMX or AVX-512 bf16; the same results as F.linear, 1.5-2x faster on the Intel
 machine), and `TieredLinear`, which runs a step on quantized weights when it has few rows and on a
 packed dense copy of the same weights when it has many. The int4 and int8 kernels dequantize their

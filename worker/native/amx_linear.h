@@ -1,5 +1,5 @@
 // The int4 linears and the head on AMX tiles (Intel Sapphire Rapids and later), included by
-// llama_step.cpp, which runs a step's linears here when it has Model::amx_from_rows rows or more and the
+// decoder_step.cpp, which runs a step's linears here when it has Model::amx_from_rows rows or more and the
 // kernel granted the tile state (lmq_amx_enable); smaller steps, and other CPUs, stay on VNNI.
 //
 // Why: on VNNI a 16-row step is bound by its vpdpwssd (32 products each, one a cycle): 12 of its 18 ms.

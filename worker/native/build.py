@@ -1,4 +1,4 @@
-"""Compile the native step (llama_step.cpp) once per machine and load it with ctypes.
+"""Compile the native step (decoder_step.cpp) once per machine and load it with ctypes.
 
 The library is plain C++ with AVX-512 and VNNI intrinsics and OpenMP: no torch headers, so g++ builds
 it in a few seconds. It is cached by the hash of its source and flags under $XDG_CACHE_HOME/lmq (default
@@ -21,7 +21,7 @@ import time
 
 log = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).with_name("llama_step.cpp")
+SOURCE = pathlib.Path(__file__).with_name("decoder_step.cpp")
 HEADERS = (SOURCE.with_name("amx_linear.h"),)  # included by SOURCE: part of the cache key
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
          "-mavx512vnni", "-mfma", "-mf16c", "-mamx-tile", "-mamx-bf16")  # fmt: skip
@@ -60,7 +60,7 @@ def cache_dir() -> pathlib.Path:
 def library_path() -> pathlib.Path:
     sources = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
     key = hashlib.sha256(sources + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / f"llama_step_{key}.so"
+    return cache_dir() / f"decoder_step_{key}.so"
 
 
 @functools.cache

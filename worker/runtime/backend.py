@@ -7,7 +7,7 @@ the forward, which returns logits for the sampling rows only. `select.py` is the
 reads the device, dtype, quant and `--cpu-steps` to choose an implementation:
 
     cpu_torch.py   torch on the CPU (cascade attention, thread-per-step rule, small batch work beside interactive)
-    cpu_native.py  the native C++ Llama step (worker/native/), torch for the steps it does not take
+    cpu_native.py  the native C++ decoder step (native_step.py, worker/native/), torch for the steps it does not take
     cuda.py        CUDA graphs for decode steps, the Triton paged-decode kernel, eager for the rest
 
 `TorchSteps` holds what the three share; an implementation overrides only what differs.

@@ -1,9 +1,10 @@
 """The one place that chooses where a worker's steps run.
 
 It resolves `--device`, `--dtype` and `--quant` for the loader (`resolve_device`, `resolve_weight_mode`),
-says whether the native CPU step is wanted (`--cpu-steps`), and picks the step backend from the loaded
-model's device and whether the native step attached. Adding a backend is its own file plus one line in
-`select_backend`.
+and picks the step backend from the loaded model's device, dtype, quant and `--cpu-steps`: CUDA on a GPU;
+on a CPU the native step (worker/runtime/native_step.py) wherever it can serve the model, which that module
+says (`unsupported` gives the reason when not), else torch. Adding a backend is its own file plus one
+line in `select_backend`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTS = ("none", "int8", "int4")
 # CPU defaults, measured on SmolLM2-135M: int4 weights with bfloat16 activations are fastest at small batches
-# (the int4/int8 kernels are ~20x slower with float32 activations). With bfloat16, `--quant auto` measures
-# instead (worker/model/weight_choice.py): int4 or int8 for small steps, packed dense copies for large ones.
+# (the int4/int8 kernels are ~20x slower with float32 activations). With bfloat16, `--quant auto` adds an int8
+# head for small steps and packed dense copies for long prompts (worker/model/loader.py).
 CPU_DEFAULT_DTYPE = "bfloat16"
 CPU_DEFAULT_QUANT = "int4"
 
@@ -54,19 +55,39 @@ def tiered_cpu_weights(dtype: str, quant: str, device: torch.device) -> bool:
     return quant == "auto" and device.type == "cpu" and dtype in ("auto", "bfloat16")
 
 
-def native_steps_wanted(quant: str, cpu_steps: str) -> bool:
-    """Whether to try the native CPU step (it attaches only where the CPU, device, dtype and model allow)."""
-    return quant == "int4" and cpu_steps != "torch"
-
-
 def select_backend(loaded, *, max_threads: int) -> StepBackend:
-    """The step backend for a loaded model. max_threads: the torch thread's count (the CPU's thread rule)."""
+    """The step backend for a loaded model. max_threads: the torch thread's count (the CPU's thread rule),
+    and the native step's team."""
     from worker.runtime.cpu_native import CpuNativeBackend
     from worker.runtime.cpu_torch import CpuTorchBackend
     from worker.runtime.cuda import CudaBackend
 
     if loaded.device.type == "cuda":
         return CudaBackend(loaded)
-    if getattr(loaded.model, "native_steps", None) is not None:
-        return CpuNativeBackend(loaded, max_threads)
+    invariant = loaded.cpu_steps == "invariant"
+    reason = native_refusal(loaded)
+    if reason is None:
+        from worker.runtime.native_step import NativeSteps
+
+        native = NativeSteps.build(loaded.model, loaded.checkpoint, max_threads, loaded.dense_from_rows, invariant)
+        return CpuNativeBackend(loaded, max_threads, native)
+    if invariant:
+        log.warning("cpu_steps invariant: %s; torch's steps depend on the batch", reason)
+    elif loaded.cpu_steps != "torch":
+        log.info("native steps off: %s; steps run on torch", reason)
     return CpuTorchBackend(loaded, max_threads)
+
+
+def native_refusal(loaded) -> str | None:
+    """Why the native step does not serve this CPU model's steps; None when it does."""
+    from worker.runtime.native_step import unsupported
+
+    if loaded.cpu_steps == "torch":
+        return "--cpu-steps torch"
+    if loaded.device.type != "cpu":
+        return f"it runs on the CPU, not {loaded.device}"
+    if loaded.dtype != torch.bfloat16 or loaded.quant != "int4":
+        return f"it runs bfloat16/int4 weights, not {str(loaded.dtype).removeprefix('torch.')}/{loaded.quant}"
+    if loaded.checkpoint is None:
+        return "the model was built in memory, with no checkpoint to pack its int4 blocks from"
+    return unsupported(loaded.model, loaded.checkpoint)

@@ -8,17 +8,15 @@ format the model came in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from worker.model.config import ModelConfig, RopeScaling, hf_common_fields
 from worker.model.decoder import Attention, GatedMLP
 from worker.model.gguf_metadata import GGUFTensors, Metadata
-from worker.model.llama import RMSNorm
-
-if TYPE_CHECKING:
-    from worker.model.build import WeightBuilder
+from worker.model.norm import RMSNorm
+from worker.model.weight_builder import WeightBuilder
 
 # llama.cpp's per-layer tensor names (blk.N.<part>) and the HF module each one comes from, as most families have them.
 COMMON_GGUF_LAYER_NAMES = {

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -29,9 +29,7 @@ from worker.model.families.base import Family, attention, gated_mlp, lm_head, no
 from worker.model.gguf_metadata import GGUFTensors, Metadata
 from worker.model.paged_attention import paged_attention
 from worker.model.rope import Rotary
-
-if TYPE_CHECKING:
-    from worker.model.build import WeightBuilder
+from worker.model.weight_builder import WeightBuilder
 
 
 @dataclass(frozen=True)

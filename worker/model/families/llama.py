@@ -9,7 +9,7 @@ window. Only partial rotary needs the generic Block (DecoderLayer rotates whole 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,9 +18,7 @@ from worker.model.decoder import Block, DecoderModel
 from worker.model.families.base import Family, attention, fused_linear, gated_mlp, lm_head, norm
 from worker.model.gguf_metadata import GGUFTensors, Metadata
 from worker.model.llama import DecoderLayer, LlamaModel
-
-if TYPE_CHECKING:
-    from worker.model.build import WeightBuilder
+from worker.model.weight_builder import WeightBuilder
 
 
 def llama_layer(

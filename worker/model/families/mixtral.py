@@ -7,7 +7,7 @@ llama.cpp writes Mixtral as a `llama` GGUF with `expert_count` set, q/k rows per
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,9 +17,7 @@ from worker.model.families.base import Family, attention, lm_head, norm
 from worker.model.families.llama import every_layer
 from worker.model.families.qwen3 import MoeOptions, sparse_moe
 from worker.model.gguf_metadata import GGUFTensors, Metadata
-
-if TYPE_CHECKING:
-    from worker.model.build import WeightBuilder
+from worker.model.weight_builder import WeightBuilder
 
 
 class Mixtral(Family):

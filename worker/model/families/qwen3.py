@@ -9,7 +9,7 @@ the GGUF loader splits them back into the HF per-expert tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -19,9 +19,7 @@ from worker.model.families.base import Family, attention, gated_mlp, lm_head, no
 from worker.model.gguf_metadata import GGUFTensors, Metadata
 from worker.model.moe import SparseMoE
 from worker.model.quant_linear import DenseLinear
-
-if TYPE_CHECKING:
-    from worker.model.build import WeightBuilder
+from worker.model.weight_builder import WeightBuilder
 
 
 @dataclass(frozen=True)

@@ -1,51 +1,38 @@
-"""`--quant auto` on a CPU: the fastest weights for each size of step, measured at start-up on this CPU.
+"""How long one layer's linears take per weight kind and row count on this CPU: int4, int8, packed bfloat16.
+
+    .venv/bin/python -m bench.engine.linear_crossover            # the default model's layer shapes
+    .venv/bin/python -m bench.engine.linear_crossover --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 8 --head-dim 64
 
 Which weights are fastest depends on the CPU and on how many rows a step multiplies. The int4 and
 int8 kernels read half or a quarter of the bytes of bfloat16 weights but dequantize them again for
 every few rows, so they win at one to a few rows and lose at many; oneDNN's packed bfloat16 GEMM
-(AMX where the CPU has it) reads its weights once for any number of rows. Which quantized kernel is
-faster, and where the crossover lies, differ between CPUs (Intel with AMX and AMD Zen 4 here), so
-they are measured, not assumed: one layer's linear shapes of the model being loaded, random weights,
-each candidate at 1 to 32 rows, best of a few runs (about a second), on one thread and timed by that
-thread's CPU time, so that other processes on the cores do not decide the choice.
+(AMX where the CPU has it) reads its weights once for any number of rows. This measures one layer's
+linear shapes, random weights, each candidate at 1 to 32 rows, best of a few runs, on one thread and
+timed by that thread's CPU time, so that other processes on the cores do not decide it.
 
-Every candidate meets the quality bar of docs/weight-modes.md (tests/worker/model/test_reference.py): int4 and
-dense bfloat16 with a mean KL from float32 below 0.005, int8 below 0.015. int4 is preferred unless
-int8 is clearly faster, being 4x closer to float32. The output head runs on int8 weights (per row)
-for small steps, which keeps int4 within its bar (mean KL 0.0023 with the head in int8, 0.0011
-without; tests/worker/model/test_weight_choice.py), and on packed bfloat16 for large ones.
-
-The dense copies cost 2 bytes per weight on top of the quantized ones, so they are kept only when
-they take at most DENSE_MEMORY_SHARE of the memory available at start-up; otherwise every step runs
-on the quantized weights.
-
-The measurement is off by default for now (worker/model/loader.py: MEASURE_WEIGHTS): a prefill of a
-short prompt on the dense bfloat16 copies meets bfloat16/none's near-tie on the default model's first
-answer to "What is the capital of France?". `quant auto` then uses the dense copies only from
-loader.DENSE_FROM_ROWS rows (long prompt chunks, very large batches), where they are several times
-faster and no short prompt reaches them, and the int8 output head for small steps (loader.HEAD_INT8_BELOW).
+It was the worker's start-up choice for `--quant auto` (int4 or int8, and the row count from which
+dense copies take over), kept off because a prefill on dense copies meets bfloat16/none's near-tie on
+the default model's first answer; the worker now uses dense copies from loader.DENSE_FROM_ROWS rows
+only, and this stays as the measurement behind that figure (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import logging
+import argparse
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from worker.model.config import ModelConfig
+from worker.model.dense_copies import dense_copies_fit
 from worker.model.quant_linear import (
     Int4Linear,
     Int8Linear,
     PackedLinear,
     int4_supported,
-    packed_linear_supported,
     quantize_int4,
 )
-
-log = logging.getLogger(__name__)
 
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
 INT8_MARGIN = 0.9  # int8 replaces int4 only when it takes less than this share of int4's time at one row
@@ -53,7 +40,6 @@ INT8_MARGIN = 0.9  # int8 replaces int4 only when it takes less than this share 
 # with the weights in cache; inside a model the dense weights, 3-4x the bytes, come from further away (measured in a
 # decode step on the Intel machine: dense took 1.04-1.2x the time of int4 at 8 rows, 0.8-0.9x at 16, 0.5x at 64).
 DENSE_MARGIN = 0.7
-DENSE_MEMORY_SHARE = 0.25
 MEASURED_ROWS_CAP = 2048  # output rows of each measured shape: the time per row is what counts, not the model's size
 
 
@@ -80,7 +66,7 @@ def layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
 
 
 def choose_cpu_weights(config: ModelConfig, dtype: torch.dtype, dense_bytes: int) -> WeightChoice:
-    """dense_bytes: what packed dense copies of every linear would take."""
+    """dense_bytes: what packed dense copies of every linear would take (no dense candidate when they do not fit)."""
     device = torch.device("cpu")
     shapes = [(min(n, MEASURED_ROWS_CAP), k) for n, k in layer_shapes(config)]
     candidates = {"int8": _layer(shapes, "int8", dtype)}
@@ -101,23 +87,6 @@ def choose_cpu_weights(config: ModelConfig, dtype: torch.dtype, dense_bytes: int
     if "dense" in micros:
         dense_from = next((rows for rows in ROWS if micros["dense"][rows] <= DENSE_MARGIN * micros[quant][rows]), None)
     return WeightChoice(quant=quant, dense_from_rows=dense_from, micros=micros)
-
-
-def dense_copies_fit(dtype: torch.dtype, dense_bytes: int) -> bool:
-    """Whether packed dense copies of every linear (`dense_bytes`) can run here and fit the memory share they may take."""
-    return (
-        packed_linear_supported(torch.device("cpu"), dtype) and dense_bytes <= DENSE_MEMORY_SHARE * available_memory()
-    )
-
-
-def available_memory() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 30
 
 
 def _layer(shapes: list[tuple[int, int]], mode: str, dtype: torch.dtype) -> list[tuple[torch.nn.Module, int]]:
@@ -149,3 +118,24 @@ def _time(layer: list[tuple[torch.nn.Module, int]], rows: int, dtype: torch.dtyp
                 module(x)
             best = min(best, time.thread_time() - start)
     return best * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shape = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64)  # SmolLM2-135M, the default model
+    for name, default in shape.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    args = parser.parse_args()
+    config = ModelConfig(
+        vocab_size=64, hidden_size=args.hidden, intermediate_size=args.intermediate, num_layers=1,
+        num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, max_context=128,
+    )  # fmt: skip
+    print(
+        choose_cpu_weights(
+            config, torch.bfloat16, dense_bytes=0 if dense_copies_fit(torch.bfloat16, 0) else 1 << 62
+        ).describe()
+    )
+
+
+if __name__ == "__main__":
+    main()

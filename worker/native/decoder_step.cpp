@@ -1,5 +1,11 @@
-// One engine step of a Llama-family model in a single call (worker/model/native_llama.py owns it): decodes
-// and prompt chunks alike, each new token a row that attends to its own sequence's keys up to itself.
+// One engine step of a dense decoder in a single call (worker/runtime/native_step.py owns it): decodes and
+// prompt chunks alike, each new token a row that attends to its own sequence's keys up to itself.
+//
+// One step for every dense family: what sets a family apart is a parameter of the model or of a layer,
+// never a copy of the step. Llama is the case with every option off; Qwen2 adds q/k/v biases, Qwen3 and
+// Gemma 3 a per-head RMSNorm of q and k, Mistral and Gemma's local layers a sliding window (per layer,
+// each with its own rotary table), Gemma norms on the attention's and the MLP's outputs, a scaled
+// embedding, GELU-tanh, a query scale of its own and soft-capped scores, Phi-4-mini a partial rotary.
 //
 // Why native: on 2 cores a torch decode step of the default model is ~40 small operators per layer,
 // each costing 2-4x its own arithmetic in dispatch and cache misses, plus torch's int4 kernel, which
@@ -55,19 +61,33 @@ struct Int4Matrix {
 struct LayerWeights {
   Int4Matrix qkv, o, gate_up, down;
   const float* input_norm;
-  const float* post_norm;
+  const float* post_norm;           // before the MLP (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)
+  const float* qkv_bias;            // null, or [(heads + 2 kv_heads) * head_dim] (Qwen2)
+  const float* q_norm;              // null, or [head_dim]: RMSNorm of each query head before the rotary (Qwen3, Gemma 3)
+  const float* k_norm;              // with q_norm
+  const float* attention_out_norm;  // null, or [hidden]: the attention's output normalised before the residual (Gemma)
+  const float* mlp_out_norm;        // null, or [hidden]: the MLP's output likewise (Gemma)
+  int64_t window;                   // 0: every key; else each row sees its `window` most recent keys, itself included
+  int64_t rotary;                   // which of Model::rotaries' tables rotates this layer's q and k
 };
 
 struct Model {
   int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;  // vocab: the head's rows (a multiple of 16)
-  float eps, rope_factor;
-  const float* inv_freq;    // [head_dim / 2]
-  const uint16_t* embed;    // bf16 [vocab, hidden]
+  float eps;
+  int64_t rotary_dim;        // the leading dims of a head that rotate (head_dim, or fewer: partial rotary)
+  int64_t rotaries;          // rotary tables (Gemma 3: global and local bases)
+  const float* inv_freq;     // [rotaries, rotary_dim / 2]
+  const float* rope_factor;  // [rotaries]: cos and sin scaled by it (YaRN's and long-rope's attention factor)
+  float embed_scale;         // embeddings multiplied by it (Gemma: sqrt(hidden)); 1: none
+  float attention_scale;     // the factor on q.k (1 / sqrt(head_dim), Gemma: query_pre_attn_scalar^-0.5)
+  float attention_softcap;   // scores become cap * tanh(score / cap) before the softmax (Gemma 2); 0: none
+  int64_t activation;        // the MLP's: 0 SiLU, 1 GELU (tanh approximation)
+  const uint16_t* embed;     // bf16 [vocab, hidden]
   const LayerWeights* layer;
-  const float* final_norm;  // [hidden]
-  const int8_t* head;       // [vocab / 16, hidden / 2, 16, 2] int8
-  const float* head_scale;  // [vocab]
-  int64_t amx_from_rows;    // steps of at least this many rows run their linears on AMX tiles (amx_linear.h); 0: none
+  const float* final_norm;   // [hidden]
+  const int8_t* head;        // [vocab / 16, hidden / 2, 16, 2] int8
+  const float* head_scale;   // [vocab]
+  int64_t amx_from_rows;     // steps of at least this many rows run their linears on AMX tiles (amx_linear.h); 0: none
 };
 
 struct Step {
@@ -85,7 +105,7 @@ struct Step {
   const int64_t* logit_rows;  // the rows whose next-token logits are wanted (each sequence's last)
   int64_t logit_count;
   float* logits;  // [logit_count, vocab]
-  double* phase_seconds;  // null, or [kPhases]: where the step's wall time went (bench/step_profile.py)
+  double* phase_seconds;  // null, or [kPhases]: where the step's wall time went
 };
 
 int lmq_step(const Model* model, const Step* step, int threads);
@@ -295,17 +315,30 @@ void rms_norm(const float* x, const float* weight, int64_t k, float eps, float* 
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv), _mm512_loadu_ps(weight + i)));
 }
 
-void silu_mul(const float* gate_up, int64_t width, float* out) {
+inline __m512 tanh512(__m512 x) {  // 1 - 2 / (e^2x + 1): exp512's clamp keeps it finite, -1 and 1 at the ends
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp512(_mm512_add_ps(x, x)), one)));
+}
+
+// The gated MLP's act(gate) * up, act being SiLU (activation 0) or GELU's tanh approximation (1).
+void gated_activation(const float* gate_up, int64_t width, int64_t activation, float* out) {
+  const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
   for (int64_t i = 0; i < width; i += 16) {
-    __m512 g = _mm512_loadu_ps(gate_up + i), u = _mm512_loadu_ps(gate_up + width + i);
-    __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+    const __m512 g = _mm512_loadu_ps(gate_up + i), u = _mm512_loadu_ps(gate_up + width + i);
+    __m512 act;
+    if (activation == 1) {
+      const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608f), _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
+      act = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, tanh512(inner)));
+    } else {
+      act = _mm512_mul_ps(g, _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    }
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(act, u));
   }
 }
 
-// Rotate-half RoPE of `count` heads of x in place.
-void rope(float* x, int64_t count, int64_t head_dim, const float* cos, const float* sin) {
-  const int64_t half = head_dim / 2;
+// Rotate-half RoPE of the first rotary_dim dims of `count` heads of x in place (the rest pass through).
+void rope(float* x, int64_t count, int64_t head_dim, int64_t rotary_dim, const float* cos, const float* sin) {
+  const int64_t half = rotary_dim / 2;
   for (int64_t h = 0; h < count; ++h) {
     float* v = x + h * head_dim;
     for (int64_t i = 0; i < half; ++i) {
@@ -316,14 +349,18 @@ void rope(float* x, int64_t count, int64_t head_dim, const float* cos, const flo
   }
 }
 
-// G query heads (of one KV head, in one sequence) against the sequence's keys in one layer's pool.
+// How a layer's scores are formed: scaled, then soft-capped where softcap > 0.
+struct Scoring {
+  float scale, softcap;
+};
+
+// G query heads (of one KV head, in one sequence) against keys [first, context) in one layer's pool.
 // C = head_dim / 16 and G are compile-time, so the accumulators stay in registers.
 template <int C, int G>
 void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* pages, int64_t ps, int64_t token_stride,
-                  int64_t context, const float* q, float* out, std::vector<float>& scores) {
+                  int64_t first, int64_t context, Scoring scoring, const float* q, float* out, std::vector<float>& scores) {
   constexpr int64_t hd = C * 16;
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  const int64_t padded = (context + 15) / 16 * 16;
+  const int64_t count = context - first, padded = (count + 15) / 16 * 16;
   scores.resize(G * padded);
   // Key t sits at page pages[t / ps], offset t % ps: walked page by page, never divided per key.
   auto at = [&](const uint16_t* pool, int64_t page, int64_t offset) { return pool + (pages[page] * ps + offset) * token_stride; };
@@ -334,9 +371,11 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
   // Scores 16 keys at a time: each key's 16-lane partial dot products go to a slot, and one reduce16
   // sums all 16 at once.
   alignas(64) float slots[G][16][16];
-  int64_t page = 0, offset = 0;
-  for (int64_t t0 = 0; t0 < context; t0 += 16) {
-    const int64_t keys = std::min<int64_t>(16, context - t0);
+  const __m512 scale = _mm512_set1_ps(scoring.scale), cap = _mm512_set1_ps(scoring.softcap);
+  const __m512 inv_cap = _mm512_set1_ps(scoring.softcap > 0.f ? 1.f / scoring.softcap : 0.f);
+  int64_t page = first / ps, offset = first % ps;
+  for (int64_t t0 = 0; t0 < count; t0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, count - t0);
     for (int64_t j = 0; j < 16; ++j) {
       if (j >= keys) {
         for (int g = 0; g < G; ++g) _mm512_store_ps(slots[g][kSlot[j]], _mm512_setzero_ps());
@@ -352,17 +391,20 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
         _mm512_store_ps(slots[g][kSlot[j]], acc);
       }
     }
-    for (int g = 0; g < G; ++g)
-      _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(reduce16(&slots[g][0][0]), _mm512_set1_ps(scale)));
+    for (int g = 0; g < G; ++g) {
+      __m512 score = _mm512_mul_ps(reduce16(&slots[g][0][0]), scale);
+      if (scoring.softcap > 0.f) score = _mm512_mul_ps(cap, tanh512(_mm512_mul_ps(score, inv_cap)));
+      _mm512_storeu_ps(scores.data() + g * padded + t0, score);
+    }
   }
   float inv_sum[G];
   for (int g = 0; g < G; ++g) {
     float* row = scores.data() + g * padded;
     float top = row[0];
-    for (int64_t t = 1; t < context; ++t) top = std::max(top, row[t]);
+    for (int64_t t = 1; t < count; ++t) top = std::max(top, row[t]);
     __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < context; t += 16) {
-      const __mmask16 live = context - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (context - t)) - 1);
+    for (int64_t t = 0; t < count; t += 16) {
+      const __mmask16 live = count - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - t)) - 1);
       __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), _mm512_set1_ps(top))));
       _mm512_storeu_ps(row + t, p);
       total = _mm512_add_ps(total, p);
@@ -372,8 +414,8 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  page = 0, offset = 0;
-  for (int64_t t = 0; t < context; ++t) {
+  page = first / ps, offset = first % ps;
+  for (int64_t t = 0; t < count; ++t) {
     const uint16_t* value = at(v_pool, page, offset);
     if (++offset == ps) offset = 0, ++page;
     __m512 v[C];
@@ -390,35 +432,39 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
 // As many query heads per pass over the keys as registers hold accumulators for (4 of head_dim 64).
 template <int C>
 void attend_group(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* pages, int64_t ps, int64_t token_stride,
-                  int64_t context, const float* q, float* out, int64_t group, std::vector<float>& scores) {
+                  int64_t first, int64_t context, Scoring scoring, const float* q, float* out, int64_t group,
+                  std::vector<float>& scores) {
   constexpr int64_t most = C == 4 ? 4 : C == 8 ? 2 : 1;
   for (int64_t g0 = 0; g0 < group; g0 += most) {
     const float* qg = q + g0 * C * 16;
     float* og = out + g0 * C * 16;
     switch (std::min(most, group - g0)) {
-      case 1: attend_heads<C, 1>(k_pool, v_pool, pages, ps, token_stride, context, qg, og, scores); break;
-      case 2: attend_heads<C, (most >= 2 ? 2 : 1)>(k_pool, v_pool, pages, ps, token_stride, context, qg, og, scores); break;
-      case 3: attend_heads<C, (most >= 3 ? 3 : 1)>(k_pool, v_pool, pages, ps, token_stride, context, qg, og, scores); break;
-      default: attend_heads<C, most>(k_pool, v_pool, pages, ps, token_stride, context, qg, og, scores); break;
+      case 1: attend_heads<C, 1>(k_pool, v_pool, pages, ps, token_stride, first, context, scoring, qg, og, scores); break;
+      case 2: attend_heads<C, (most >= 2 ? 2 : 1)>(k_pool, v_pool, pages, ps, token_stride, first, context, scoring, qg, og, scores); break;
+      case 3: attend_heads<C, (most >= 3 ? 3 : 1)>(k_pool, v_pool, pages, ps, token_stride, first, context, scoring, qg, og, scores); break;
+      default: attend_heads<C, most>(k_pool, v_pool, pages, ps, token_stride, first, context, scoring, qg, og, scores); break;
     }
   }
 }
 
-// One sequence's query heads of KV head h against its keys in the pool.
+// One sequence's query heads of KV head h against its keys in the pool (its window's, where the layer has one).
 void attend(const Model& m, const Step& s, int64_t layer, const float* q, float* out, int64_t r, int64_t h, std::vector<float>& scores) {
   const int64_t kvh = m.kv_heads, group = m.heads / kvh, token_stride = kvh * m.head_dim;
   const int64_t* pages = s.page_tables + r * s.page_table_stride;
   const uint16_t* k_pool = s.k_pool + layer * s.layer_stride + h * m.head_dim;
   const uint16_t* v_pool = s.v_pool + layer * s.layer_stride + h * m.head_dim;
+  const int64_t context = s.contexts[r], window = m.layer[layer].window;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
+  const Scoring scoring{m.attention_scale, m.attention_softcap};
   switch (m.head_dim) {
-    case 64: attend_group<4>(k_pool, v_pool, pages, s.page_size, token_stride, s.contexts[r], q, out, group, scores); break;
-    case 128: attend_group<8>(k_pool, v_pool, pages, s.page_size, token_stride, s.contexts[r], q, out, group, scores); break;
-    default: attend_group<16>(k_pool, v_pool, pages, s.page_size, token_stride, s.contexts[r], q, out, group, scores); break;
+    case 64: attend_group<4>(k_pool, v_pool, pages, s.page_size, token_stride, first, context, scoring, q, out, group, scores); break;
+    case 128: attend_group<8>(k_pool, v_pool, pages, s.page_size, token_stride, first, context, scoring, q, out, group, scores); break;
+    default: attend_group<16>(k_pool, v_pool, pages, s.page_size, token_stride, first, context, scoring, q, out, group, scores); break;
   }
 }
 
 struct Buffers {
-  std::vector<float> hidden, normed, qkv, attention, gate_up, cos, sin;
+  std::vector<float> hidden, normed, qkv, attention, gate_up, out, cos, sin;
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
   QuantizedRows quantized;  // x for VNNI, and always for the head
@@ -434,8 +480,9 @@ struct Buffers {
     qkv.resize(rows * qkv_n);
     attention.resize(rows * m.heads * m.head_dim);
     gate_up.resize(rows * 2 * m.intermediate);
-    cos.resize(rows * m.head_dim / 2);
-    sin.resize(rows * m.head_dim / 2);
+    out.resize(rows * m.hidden);
+    cos.resize(rows * m.rotaries * m.rotary_dim / 2);  // [rows, rotaries, rotary_dim / 2]
+    sin.resize(rows * m.rotaries * m.rotary_dim / 2);
     q.resize(rows * widest);
     scale.resize(rows * widest / kGroup);
     sum.resize(rows * widest / kGroup);
@@ -493,6 +540,48 @@ struct PhaseClock {
   }
 };
 
+// A linear's output added to the residual: in place, or (Gemma) normalised first through `out`.
+void residual_linear(const Model& m, const Int4Matrix& w, const float* out_norm, Buffers& b, int64_t rows) {
+  if (!out_norm) {
+    linear(w, b, rows, b.hidden.data(), true);
+#pragma omp barrier
+    return;
+  }
+  linear(w, b, rows, b.out.data(), false);
+#pragma omp barrier
+  int64_t begin, end;
+  share(rows, begin, end);
+  for (int64_t r = begin; r < end; ++r) {
+    float* o = b.out.data() + r * m.hidden;
+    float* h = b.hidden.data() + r * m.hidden;
+    rms_norm(o, out_norm, m.hidden, m.eps, o);
+    for (int64_t i = 0; i < m.hidden; i += 16) _mm512_storeu_ps(h + i, _mm512_add_ps(_mm512_loadu_ps(h + i), _mm512_loadu_ps(o + i)));
+  }
+#pragma omp barrier
+}
+
+// A row's q/k/v after the projection: bias, per-head q/k norms, rotary; its K/V written to the pool.
+void place_qkv(const Model& m, const Step& s, int64_t index, Buffers& b, int64_t r) {
+  const LayerWeights& w = m.layer[index];
+  const int64_t hd = m.head_dim, kvh = m.kv_heads, q_size = m.heads * hd, qkv_n = q_size + 2 * kvh * hd;
+  float* row = b.qkv.data() + r * qkv_n;
+  if (w.qkv_bias)
+    for (int64_t i = 0; i < qkv_n; i += 16) _mm512_storeu_ps(row + i, _mm512_add_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(w.qkv_bias + i)));
+  if (w.q_norm) {
+    for (int64_t h = 0; h < m.heads; ++h) rms_norm(row + h * hd, w.q_norm, hd, m.eps, row + h * hd);
+    for (int64_t h = 0; h < kvh; ++h) rms_norm(row + q_size + h * hd, w.k_norm, hd, m.eps, row + q_size + h * hd);
+  }
+  const int64_t half = m.rotary_dim / 2, table = (r * m.rotaries + w.rotary) * half;
+  rope(row, m.heads + kvh, hd, m.rotary_dim, b.cos.data() + table, b.sin.data() + table);  // q and k are adjacent
+  const int64_t slot = s.slots[r];
+  uint16_t* k_dst = s.k_pool + index * s.layer_stride + slot * kvh * hd;
+  uint16_t* v_dst = s.v_pool + index * s.layer_stride + slot * kvh * hd;
+  for (int64_t i = 0; i < kvh * hd; i += 16) {
+    store_bf16(k_dst + i, _mm512_loadu_ps(row + q_size + i));
+    store_bf16(v_dst + i, _mm512_loadu_ps(row + q_size + kvh * hd + i));
+  }
+}
+
 void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::vector<float>& scores, PhaseClock& clock) {
   const LayerWeights& w = m.layer[index];
   const int64_t rows = s.rows, hd = m.head_dim, kvh = m.kv_heads;
@@ -505,17 +594,7 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
 #pragma omp barrier
   clock.mark(2);
   share(rows, begin, end);
-  for (int64_t r = begin; r < end; ++r) {
-    float* row = b.qkv.data() + r * qkv_n;
-    rope(row, m.heads + kvh, hd, b.cos.data() + r * hd / 2, b.sin.data() + r * hd / 2);  // q and k are adjacent
-    const int64_t slot = s.slots[r];
-    uint16_t* k_dst = s.k_pool + index * s.layer_stride + slot * kvh * hd;
-    uint16_t* v_dst = s.v_pool + index * s.layer_stride + slot * kvh * hd;
-    for (int64_t i = 0; i < kvh * hd; i += 16) {
-      store_bf16(k_dst + i, _mm512_loadu_ps(row + q_size + i));
-      store_bf16(v_dst + i, _mm512_loadu_ps(row + q_size + kvh * hd + i));
-    }
-  }
+  for (int64_t r = begin; r < end; ++r) place_qkv(m, s, index, b, r);
 #pragma omp barrier
   clock.mark(3);
   share(rows * kvh, begin, end);
@@ -526,8 +605,7 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
 #pragma omp barrier
   clock.mark(4);
   encode_rows(b.attention.data(), rows, q_size, nullptr, 0.f, b);
-  linear(w.o, b, rows, b.hidden.data(), true);
-#pragma omp barrier
+  residual_linear(m, w.o, w.attention_out_norm, b, rows);
   clock.mark(5);
   encode_rows(b.hidden.data(), rows, m.hidden, w.post_norm, m.eps, b);
   clock.mark(1);
@@ -537,26 +615,32 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
   share(rows, begin, end);
   for (int64_t r = begin; r < end; ++r) {
     float* act = b.normed.data() + r * m.intermediate;
-    silu_mul(b.gate_up.data() + r * 2 * m.intermediate, m.intermediate, act);
+    gated_activation(b.gate_up.data() + r * 2 * m.intermediate, m.intermediate, m.activation, act);
     encode_row(act, m.intermediate, b, r);
   }
 #pragma omp barrier
   clock.mark(7);
-  linear(w.down, b, rows, b.hidden.data(), true);
-#pragma omp barrier
+  residual_linear(m, w.down, w.mlp_out_norm, b, rows);
   clock.mark(8);
 }
 
 void prepare_rows(const Model& m, const Step& s, Buffers& b) {
-  const int64_t half = m.head_dim / 2;
+  const int64_t half = m.rotary_dim / 2;
+  const __m512 embed_scale = _mm512_set1_ps(m.embed_scale);
   for (int64_t r = 0; r < s.rows; ++r) {
     const uint16_t* embedding = m.embed + s.ids[r] * m.hidden;
-    for (int64_t i = 0; i < m.hidden; i += 16) _mm512_storeu_ps(b.hidden.data() + r * m.hidden + i, load_bf16(embedding + i));
+    float* hidden = b.hidden.data() + r * m.hidden;
+    for (int64_t i = 0; i < m.hidden; i += 16) _mm512_storeu_ps(hidden + i, _mm512_mul_ps(load_bf16(embedding + i), embed_scale));
     const float position = static_cast<float>(s.positions[r]);
-    for (int64_t i = 0; i < half; ++i) {
-      const float angle = position * m.inv_freq[i];
-      b.cos[r * half + i] = std::cos(angle) * m.rope_factor;
-      b.sin[r * half + i] = std::sin(angle) * m.rope_factor;
+    for (int64_t t = 0; t < m.rotaries; ++t) {
+      const float* inv_freq = m.inv_freq + t * half;
+      float* cos = b.cos.data() + (r * m.rotaries + t) * half;
+      float* sin = b.sin.data() + (r * m.rotaries + t) * half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = position * inv_freq[i];
+        cos[i] = std::cos(angle) * m.rope_factor[t];
+        sin[i] = std::sin(angle) * m.rope_factor[t];
+      }
     }
   }
 }
@@ -594,6 +678,9 @@ int lmq_step(const Model* model, const Step* step, int threads) {
   const Step& s = *step;
   if ((m.head_dim != 64 && m.head_dim != 128 && m.head_dim != 256) || m.heads % m.kv_heads || m.heads / m.kv_heads > 16) return 1;
   if (m.hidden % 64 || m.intermediate % 64 || (m.heads * m.head_dim) % 64 || m.vocab % kBlockN) return 1;
+  if (m.rotary_dim % 2 || m.rotary_dim > m.head_dim || m.rotaries < 1 || m.activation < 0 || m.activation > 1) return 1;
+  for (int64_t i = 0; i < m.layers; ++i)
+    if (m.layer[i].rotary < 0 || m.layer[i].rotary >= m.rotaries || m.layer[i].window < 0 || !m.layer[i].q_norm != !m.layer[i].k_norm) return 1;
   const double started = omp_get_wtime();
   Buffers buffers(m, s.rows);
   prepare_rows(m, s, buffers);

@@ -1,0 +1,158 @@
+"""The native step against the torch path on a family's real shape: engine decode tok/s at 1 and 16 streams.
+
+    .venv/bin/python -m bench.engine.native_families                      # Qwen3-0.6B's shape, random weights
+    .venv/bin/python -m bench.engine.native_families --shape gemma3-270m --tokens 32 --rounds 2
+
+One random-weight model (the values do not change the time) in the shape's config, written as an HF
+directory in bfloat16 and loaded in the default CPU mode; then the same LoadedModel runs through the
+real Engine on the cpu-torch backend and on the cpu-native one, alternated `--rounds` times (the machine's
+load drifts). A figure is generated tokens per second of the decode steps, from the moment every stream
+has its first token (the prompts' prefill is left out) to the last token. The native backend's
+`served` counts are printed so a run that fell back to torch shows it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worker/config.py); before torch loads
+
+import argparse
+import asyncio
+import math
+import pathlib
+import platform
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from bench.engine.random_models import write_hf_dir
+from protocol import SamplingParams
+from worker.engine import Engine, GenRequest, SeqOutput
+from worker.model.loader import LoadedModel, load_model
+from worker.runtime.cpu_torch import CpuTorchBackend
+from worker.runtime.select import select_backend
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    # google/gemma-3-270m
+    "gemma3-270m": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=640,
+                        intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=256, vocab_size=262144, max_position_embeddings=4096, rope_theta=1_000_000.0,
+                        rope_local_base_freq=10_000.0, query_pre_attn_scalar=256, sliding_window=512,
+                        sliding_window_pattern=6, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1,
+                        eos_token_id=2),
+}  # fmt: skip
+
+
+def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named tensors of the shape (q/k norms for Qwen3 and Gemma 3, Gemma's four norms a layer)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+
+    def linear(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=generator) / math.sqrt(cols)
+
+    gemma = config["model_type"].startswith("gemma")
+    norm = torch.zeros if gemma else torch.ones  # Gemma's norms hold w of x * (1 + w)
+    weights = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden, generator=generator) * 0.05}
+    weights["model.norm.weight"] = norm(hidden)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "self_attn.q_proj.weight": linear(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": linear(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": linear(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": linear(hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": norm(head_dim),
+            p + "self_attn.k_norm.weight": norm(head_dim),
+            p + "mlp.gate_proj.weight": linear(inter, hidden),
+            p + "mlp.up_proj.weight": linear(inter, hidden),
+            p + "mlp.down_proj.weight": linear(hidden, inter),
+            p + "input_layernorm.weight": norm(hidden),
+            p + "post_attention_layernorm.weight": norm(hidden),
+        }
+        if gemma:
+            weights[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
+            weights[p + "post_feedforward_layernorm.weight"] = norm(hidden)
+    return weights
+
+
+async def decode_tok_s(loaded: LoadedModel, backend, streams: int, tokens: int, salt: int) -> float:
+    """Generated tokens per second of the decode steps of `streams` greedy requests run together."""
+    firsts: dict[str, float] = {}  # when each stream got its first token
+    finished: set[str] = set()
+    counted, last = 0, 0.0  # tokens generated once every stream had its first, and when the last came
+    done = asyncio.Event()
+
+    def on_step(outputs: list[SeqOutput]) -> None:
+        nonlocal counted, last
+        now = time.perf_counter()
+        all_started = len(firsts) == streams
+        for output in outputs:
+            if all_started:
+                counted += len(output.token_ids)
+            firsts.setdefault(output.id, now)
+            if output.finish_reason:
+                finished.add(output.id)
+        last = now
+        if len(finished) == streams:
+            done.set()
+
+    engine = Engine(loaded, on_step=on_step, backend=backend)
+    task = asyncio.create_task(engine.run())
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(streams):
+        engine.add(GenRequest(f"r{i}", [(salt * 7919 + i * 104729 + j) % 1000 + 3 for j in range(32)], params))
+    await done.wait()
+    engine.stop()
+    await task
+    return counted / (last - max(firsts.values()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--tokens", type=int, default=48, help="generated per stream")
+    parser.add_argument("--streams", type=int, nargs="*", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    config = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory() as directory:  # the native step packs its weights from the files
+        path = write_hf_dir(pathlib.Path(directory), config, random_weights(config))
+        loaded = load_model(str(path), device="cpu")  # the default mode: bfloat16, int4, native steps
+        run(loaded, args)
+
+
+def run(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    threads = torch.get_num_threads()
+    backends = {"torch": CpuTorchBackend(loaded, threads), "native": select_backend(loaded, max_threads=threads)}
+    assert backends["native"].name == "cpu-native", "the native step does not serve this shape"
+    figures: dict[tuple[str, int], list[float]] = {}
+    for round_ in range(args.rounds):
+        for name, backend in backends.items():
+            for streams in args.streams:
+                rate = asyncio.run(decode_tok_s(loaded, backend, streams, args.tokens, salt=round_))
+                figures.setdefault((name, streams), []).append(rate)
+                print(f"round {round_ + 1} {name:6s} {streams:2d} streams: {rate:7.1f} tok/s", flush=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    print(f"\n{args.shape}, random weights, default CPU mode, {threads} threads, {cpu or platform.processor()}")
+    print(f"native steps served: {dict(backends['native'].served)}")
+    for streams in args.streams:
+        torch_rate = statistics.median(figures[("torch", streams)])
+        native_rate = statistics.median(figures[("native", streams)])
+        print(
+            f"{streams:2d} streams: torch {torch_rate:7.1f}  native {native_rate:7.1f} tok/s  ({native_rate / torch_rate:.2f}x)"
+        )
+
+
+if __name__ == "__main__":
+    main()

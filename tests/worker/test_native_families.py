@@ -1,0 +1,172 @@
+"""Every dense family on the native step (worker/runtime/native_step.py) against the torch path of the same model.
+
+Each family's tiny random model (tests/support/tiny_families.py) in shapes the kernel takes (head_dim 64,
+widths multiples of 64), bfloat16/int4: the same schedule of prefills, a chunk continuing a cache, decodes
+and mixed steps runs once through the cpu-native backend and once through cpu-torch, each over its own
+bfloat16 pool. Per step, the largest logit difference stays under LOGIT_ERROR of the torch logits' standard
+deviation, and KL(torch || native) per row under MEAN_KL / WORST_KL (alone it is blind where tied embeddings
+make a tiny model's distributions one-hot): the two share the int4 weights but not their arithmetic (the
+native step quantizes activations to int16 and its head to int8, keeps activations in float32 where torch
+rounds to bfloat16). Measured: 0.029-0.036 of a standard deviation; dropping any one family's piece from
+the native step (q/k norms, biases, a window, the soft cap, the local rotary, partial rotary) gives 0.12-0.69. A short greedy run gives the same tokens, on
+the first of a few prompts whose run has no near-tie on the torch path (bfloat16 logits tie exactly at
+times: 14.0 and 14.0, where float32 and the native step both say 14.53 against 14.11).
+Every step must have been served natively (the backend's `served`), so a family the native step cannot
+take fails here instead of passing on the torch path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import random
+
+import pytest
+import torch
+
+from tests.support.paged_steps import Chunk, allocate_kv, make_batch
+from tests.support.tiny_families import FAMILY_BY_NAME, TinyFamily, make_family_model
+from worker.batch import PagedKV
+from worker.model.loader import LoadedModel, load_model
+from worker.native import build
+from worker.runtime.cpu_native import CpuNativeBackend
+from worker.runtime.cpu_torch import CpuTorchBackend
+from worker.runtime.native_step import unsupported
+from worker.runtime.select import native_refusal, select_backend
+
+pytestmark = pytest.mark.skipif(
+    build.missing_requirements() is not None, reason=f"native step: {build.missing_requirements()}"
+)
+
+PAGE = 4
+# Shapes the native kernel takes; each family's own settings (windows of 6-7 keys, soft caps, biases,
+# q/k norms, rope scaling, partial rotary) as tests/support/tiny_families.py has them.
+NATIVE_SHAPE = dict(hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+FAMILIES = {
+    "llama3-rope": {},
+    "qwen2": {},  # q/k/v biases
+    "qwen2-window": {},  # a sliding window on the upper layer
+    "qwen3": {},  # q/k RMSNorm per head
+    "mistral-window": {},  # a sliding window on every layer
+    # soft caps (the final one at Gemma 2's own 30: the tiny spec's 3 flattens the top logits to ties), query
+    # scalar, local/global layers
+    "gemma2-query-scalar": {"query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0},
+    "gemma3": {"query_pre_attn_scalar": 64},  # q/k norms, local/global rotary bases, 6 layers
+    "phi3": {"head_dim": None},  # fused qkv and gate_up in the checkpoint
+    "phi3-partial-rotary": {"head_dim": None},  # half of each head rotates
+}
+SCHEDULE = [
+    [(0, 18), (1, 8)],  # two prefills from empty caches
+    [(0, 4), (1, 1), (2, 13)],  # a chunk continuing a cache, a decode, a fresh prefill
+    [(0, 1), (1, 1), (2, 8)],  # decodes with a chunk
+    [(0, 1), (1, 1), (2, 1)],  # decodes only
+    [(2, 1), (0, 1)],  # decodes, sequences in another order
+    [(1, 1)],  # one decode alone
+]
+LENGTHS = (25, 12, 23)
+LOGIT_ERROR = 0.06
+MEAN_KL, WORST_KL = 0.003, 0.01
+GREEDY_STEPS = 8
+PROMPTS, CLEAR_MARGIN = 10, 0.25  # a logit gap the two paths' rounding (|difference| < 0.1 here) cannot close
+
+
+def _spec(name: str) -> TinyFamily:
+    spec = FAMILY_BY_NAME[name]
+    config = {**spec.config, **NATIVE_SHAPE, **FAMILIES[name]}
+    if config["head_dim"] is None:  # Phi-3's config has no head_dim: hidden / heads
+        del config["head_dim"]
+    return TinyFamily(spec.name, spec.model_class, config, spec.gguf_arch, spec.legacy_config)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES), ids=str)
+def backends(request, tmp_path_factory) -> tuple[str, CpuNativeBackend, CpuTorchBackend]:
+    name = request.param
+    directory = make_family_model(_spec(name), tmp_path_factory.mktemp(name))
+    loaded: LoadedModel = load_model(str(directory), dtype="bfloat16", quant="int4", device="cpu")
+    assert unsupported(loaded.model, loaded.checkpoint) is None
+    native = select_backend(loaded, max_threads=torch.get_num_threads())
+    assert isinstance(native, CpuNativeBackend), f"{name}: the selector picks the native step"
+    return name, native, CpuTorchBackend(loaded, max_threads=1)
+
+
+def _kv(backend) -> PagedKV:
+    return allocate_kv(backend.config, num_pages=24, page_size=PAGE, dtype=torch.bfloat16)
+
+
+def _schedule_logits(backend, sequences: list[list[int]]) -> list[torch.Tensor]:
+    pages = list(range(1, 24))
+    random.Random(1).shuffle(pages)
+    page_tables = [pages[0:7], pages[7:10], pages[10:16]]
+    kv, done, out = _kv(backend), [0, 0, 0], []
+    for step in SCHEDULE:
+        chunks = [Chunk(sequences[s][done[s] : done[s] + n], done[s], page_tables[s]) for s, n in step]
+        out.append(backend.forward(make_batch(chunks, PAGE), kv).float())
+        for s, n in step:
+            done[s] += n
+    return out
+
+
+def _greedy(backend, prompt: list[int]) -> tuple[list[int], float]:
+    """The greedy tokens, and the smallest top-2 margin of their logits."""
+    kv, pages = _kv(backend), list(range(8))
+    logits = backend.forward(make_batch([Chunk(prompt, 0, pages)], PAGE), kv)[0].float()
+    tokens, margin = [], float("inf")
+    for step in range(GREEDY_STEPS):
+        top = logits.topk(2).values
+        tokens.append(int(logits.argmax()))
+        margin = min(margin, float(top[0] - top[1]))
+        logits = backend.forward(make_batch([Chunk([tokens[-1]], len(prompt) + step, pages)], PAGE), kv)[0].float()
+    return tokens, margin
+
+
+def test_the_native_step_gives_the_torch_paths_logits(backends) -> None:
+    name, native, reference = backends
+    rng = random.Random(0)
+    sequences = [[rng.randrange(native.config.vocab_size) for _ in range(n)] for n in LENGTHS]
+    served = native.served["native"]
+    with torch.inference_mode():
+        got, want = _schedule_logits(native, sequences), _schedule_logits(reference, sequences)
+    assert native.served["native"] == served + len(SCHEDULE) and native.served["torch"] == 0, "every step native"
+    kl = torch.cat([
+        torch.nn.functional.kl_div(g.log_softmax(-1), w.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+        for g, w in zip(got, want)
+    ])  # fmt: skip
+    assert float(kl.mean()) <= MEAN_KL and float(kl.max()) <= WORST_KL, (name, kl.tolist())
+    errors = [float((g - w).abs().max() / w.std()) for g, w in zip(got, want)]
+    assert max(errors) <= LOGIT_ERROR, (name, errors)
+
+
+def test_a_short_greedy_run_gives_the_torch_paths_tokens(backends) -> None:
+    name, native, reference = backends
+    with torch.inference_mode():
+        for seed in range(PROMPTS):
+            prompt = [random.Random(seed).randrange(native.config.vocab_size) for _ in range(11)]
+            want, margin = _greedy(reference, prompt)
+            if margin >= CLEAR_MARGIN:
+                break
+        else:
+            pytest.fail(f"{name}: no prompt of {PROMPTS} without a near-tie on the torch path")
+        assert _greedy(native, prompt)[0] == want, (name, seed)
+
+
+def test_a_mixture_of_experts_is_refused_with_its_reason(tmp_path: pathlib.Path) -> None:
+    spec = FAMILY_BY_NAME["mixtral"]
+    spec = TinyFamily(spec.name, spec.model_class, {**spec.config, **NATIVE_SHAPE}, spec.gguf_arch)
+    loaded = load_model(str(make_family_model(spec, tmp_path)), dtype="bfloat16", quant="int4", device="cpu")
+    assert "mixture of experts" in unsupported(loaded.model, loaded.checkpoint)
+    assert type(select_backend(loaded, max_threads=1)) is CpuTorchBackend
+
+
+def test_shapes_the_kernel_cannot_take_and_cpu_steps_torch_stay_on_torch(tmp_path: pathlib.Path) -> None:
+    spec = FAMILY_BY_NAME["qwen3"]  # head_dim 32, hidden 64
+    loaded = load_model(str(make_family_model(spec, tmp_path / "small")), dtype="bfloat16", quant="int4", device="cpu")
+    assert "head_dim 64, 128 or 256" in native_refusal(loaded)
+    assert type(select_backend(loaded, max_threads=1)) is CpuTorchBackend
+    fits = load_model(
+        str(make_family_model(_spec("qwen3"), tmp_path / "fits")), dtype="bfloat16", quant="int4", device="cpu"
+    )
+    assert native_refusal(fits) is None
+    assert native_refusal(dataclasses.replace(fits, cpu_steps="torch")) == "--cpu-steps torch"
+    assert "bfloat16/int4" in native_refusal(dataclasses.replace(fits, quant="int8"))
+    assert "built in memory" in native_refusal(dataclasses.replace(fits, checkpoint=None))
+    assert type(select_backend(dataclasses.replace(fits, cpu_steps="torch"), max_threads=1)) is CpuTorchBackend

@@ -1,0 +1,86 @@
+"""WeightBuilder: the linears, norms' tensors and output head a family's `build` asks for, in the chosen dtype and weight mode."""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from worker.model.config import ModelConfig
+from worker.model.quant_linear import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    PackedLinear,
+    TieredLinear,
+    int4_supported,
+    quantize_int4,
+)
+from worker.model.weights import Int4Blocks, WeightMap
+
+
+class WeightBuilder:
+    """dense_from_rows: with int8/int4, also keep a packed dense copy of every linear for inputs of that many rows or more
+    (TieredLinear); None: one set of weights per linear. head_int8_below: run the output head on int8 weights for
+    inputs of fewer rows than this, and on packed dense ones (the same results as F.linear) from there on."""
+
+    def __init__(
+        self,
+        weights: WeightMap,
+        dtype: torch.dtype,
+        quant: str,
+        device: torch.device,
+        name: str = "",
+        dense_from_rows: int | None = None,
+        head_int8_below: int | None = None,
+    ) -> None:
+        self.weights, self.dtype, self.quant, self.device, self.name = weights, dtype, quant, device, name
+        self.dense_from_rows = dense_from_rows if quant in ("int8", "int4") else None
+        self.head_int8_below = head_int8_below if quant in ("int8", "int4") else None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise ValueError(f"{self.name or 'checkpoint'}: tensor {name!r} is missing")
+        return self.weights[name].load().to(device=self.device, dtype=self.dtype)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.tensor(name) if name in self.weights else None
+
+    def layer_range(self, config: ModelConfig) -> range:
+        # disable=None: a progress bar only on a terminal, never `\r` lines in a log file
+        return tqdm(range(config.num_layers), desc=f"loading {self.name}", unit="layer", disable=None)
+
+    def linear(self, names: list[str], bias_names: list[str] | None = None) -> torch.nn.Module:
+        """One linear over the concatenated output rows of `names` (fuses q/k/v and gate/up)."""
+        missing = [name for name in names if name not in self.weights]
+        if missing:
+            raise ValueError(f"{self.name or 'checkpoint'}: tensor {missing[0]!r} is missing")
+        sources = [self.weights[name] for name in names]
+        bias = self._bias(bias_names)
+        shape = (sum(source.shape[0] for source in sources), sources[0].shape[1])
+        if self.quant == "int4" and int4_supported(shape, self.device):
+            blocks = Int4Blocks.cat([source.int4() or quantize_int4(source.load()) for source in sources])
+            return self._tiered(Int4Linear(blocks, bias, self.dtype), blocks.dequantize, bias)
+        weight = torch.cat([source.load() for source in sources])
+        if self.quant in ("int8", "int4"):
+            return self._tiered(Int8Linear(weight, bias, self.dtype).to(self.device), lambda: weight, bias)
+        return DenseLinear(weight.to(device=self.device, dtype=self.dtype), bias)
+
+    def head(self, weight: torch.Tensor) -> torch.nn.Module:
+        """The output head over `weight` [vocab, hidden] (often the embeddings themselves)."""
+        if self.head_int8_below is None:
+            return DenseLinear(weight, None)
+        small = Int8Linear(weight.float(), None, self.dtype).to(self.device)
+        return TieredLinear(small, PackedLinear(weight.to(self.dtype), None), self.head_int8_below)
+
+    def _tiered(self, small: torch.nn.Module, dense_weight, bias: torch.Tensor | None) -> torch.nn.Module:
+        if self.dense_from_rows is None:
+            return small
+        dense = PackedLinear(
+            dense_weight().to(device=self.device, dtype=self.dtype), None if bias is None else bias.to(self.dtype)
+        )
+        return TieredLinear(small, dense, self.dense_from_rows)
+
+    def _bias(self, names: list[str] | None) -> torch.Tensor | None:
+        if not names or names[0] not in self.weights:
+            return None
+        return torch.cat([self.tensor(name) for name in names])

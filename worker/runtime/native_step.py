@@ -1,0 +1,397 @@
+"""Engine steps of a dense decoder in one native call (worker/native/decoder_step.cpp), where the CPU allows.
+
+A torch step of a small model is hundreds of small operators; this runs the whole step (every layer,
+the head) as one function over float32 activations, with int4 x int16 VNNI dot products for the linears
+(AMX bfloat16 tiles for steps of AMX_FROM_ROWS rows or more where the CPU has them) and attention that
+reads K/V straight from the paged pool. Every new token is a row: a decode is one
+row, a prompt chunk one row per token, each attending to its sequence's keys up to its own position.
+It owns a packed copy of the weights (the int4 blocks as the checkpoint stores them, the head in int8
+per row) and serves the steps it can: fewer tokens than `max_rows` (where the loader keeps packed
+bfloat16 copies for long prompts, oneDNN's GEMM is faster from there on). The torch path writes the
+same pool, so a sequence moves between the two freely.
+
+Every dense family runs on the one step: `describe` reads what sets a model apart from Llama off the
+torch model the loader built (its norms, their +1 already folded in for Gemma, q/k norms, windows,
+rotary tables, the attention's scale and soft cap, the MLP's activation, the embedding scale, the
+final soft cap) and the checkpoint (the int4 blocks, q/k/v biases), so the two paths cannot disagree
+on a family's arithmetic. `unsupported(model, checkpoint)` says why a model cannot run here (None when
+it can); whether it does is worker/runtime/select.py's decision, and worker/runtime/cpu_native.py the
+backend that calls it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from worker.batch import PagedKV, StepBatch
+from worker.model.checkpoint import Checkpoint
+from worker.model.decoder import Block, DecoderModel, GatedMLP
+from worker.model.llama import DecoderLayer, LlamaModel
+from worker.model.norm import RMSNorm
+from worker.model.paged_attention import paged_attention
+from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear, quantize_int4
+from worker.model.weights import INT4_GROUP, Int4Blocks
+from worker.native import build
+
+log = logging.getLogger(__name__)
+
+BLOCK_N = 16  # output rows the kernel computes together
+# Steps of this many rows and more run their linears on AMX tiles where the CPU has them: a tile product
+# costs about the same for 1 row as for 16, VNNI's grow with the rows: the crossover measured in
+# docs/benchmarks.md ("The native step's linears, second pass").
+AMX_FROM_ROWS = 6
+PHASES = ("embedding, rope tables", "norms + quantizing x", "q/k/v", "rope + K/V write", "attention", "o_proj (+ quantizing)",
+          "gate/up", "activation (+ quantizing)", "down", "final norm + head")  # fmt: skip
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # the .cpp's Model::activation
+
+
+class Int4Matrix(ctypes.Structure):
+    _fields_ = [("nibbles", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]  # fmt: skip
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [("qkv", Int4Matrix), ("o", Int4Matrix), ("gate_up", Int4Matrix), ("down", Int4Matrix)] + [
+        (name, ctypes.c_void_p)
+        for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm", "attention_out_norm", "mlp_out_norm")
+    ] + [("window", ctypes.c_int64), ("rotary", ctypes.c_int64)]  # fmt: skip
+
+
+class ModelStruct(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")] + [
+        ("eps", ctypes.c_float), ("rotary_dim", ctypes.c_int64), ("rotaries", ctypes.c_int64),
+        ("inv_freq", ctypes.c_void_p), ("rope_factor", ctypes.c_void_p), ("embed_scale", ctypes.c_float),
+        ("attention_scale", ctypes.c_float), ("attention_softcap", ctypes.c_float), ("activation", ctypes.c_int64),
+        ("embed", ctypes.c_void_p), ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
+        ("head_scale", ctypes.c_void_p), ("amx_from_rows", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+class StepStruct(ctypes.Structure):
+    _fields_ = [("rows", ctypes.c_int64), ("ids", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("contexts", ctypes.c_void_p), ("page_tables", ctypes.c_void_p), ("page_table_stride", ctypes.c_int64),
+                ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p), ("layer_stride", ctypes.c_int64),
+                ("page_size", ctypes.c_int64), ("logit_rows", ctypes.c_void_p), ("logit_count", ctypes.c_int64),
+                ("logits", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p)]  # fmt: skip
+
+
+def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4Blocks -> (nibbles, scales, mins) as the .cpp reads them, blocks of 16 output rows, group by group.
+
+    nibbles [N/16, G, 4, 16, 2] int16: in group g, word (row n, e) of vector j holds 4 nibbles, the one at
+    bits 4s being the row's value 2p + e with p = 4j + s: shifted and masked, vector j gives the pairs
+    4j..4j+3 of all 16 rows, one vpdpwssd operand each.
+    scales and mins [N/16, G, 16] fp16 (value = scale * q + min).
+    """
+    q = blocks.q.to(torch.int32)
+    n, k = q.shape
+    pairs = q.reshape(n // BLOCK_N, BLOCK_N, k // INT4_GROUP, 4, 4, 2).permute(
+        0, 2, 3, 4, 1, 5
+    )  # [N/16, G, j, s, row, e]
+    words = sum(pairs[:, :, :, s] << (4 * s) for s in range(4))
+    nibbles = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16).contiguous()
+    mins = blocks.zero - 8 * blocks.scale
+    return nibbles, _by_block(blocks.scale.to(torch.float16)), _by_block(mins.to(torch.float16))
+
+
+def _by_block(per_row: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> [N/16, G, 16]: a group's values for 16 output rows side by side."""
+    n = per_row.shape[0]
+    return per_row.view(n // BLOCK_N, BLOCK_N, -1).transpose(1, 2).contiguous()
+
+
+def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output head as (int8 weights [N/16, K/2, 16, 2], per-row scales [N] float32), its rows padded to BLOCK_N."""
+    small = head.small if isinstance(head, TieredLinear) else head
+    if isinstance(small, DenseLinear):
+        small = Int8Linear(small.weight, None, torch.float32)
+    if not isinstance(small, Int8Linear):
+        raise TypeError(f"no native form for a head of type {type(small).__name__}")
+    pad = -small.qweight.shape[0] % BLOCK_N
+    q = torch.nn.functional.pad(small.qweight, (0, 0, 0, pad))
+    rows, k = q.shape
+    packed = q.view(rows // BLOCK_N, BLOCK_N, k // 2, 2).transpose(1, 2).contiguous()
+    return packed, torch.nn.functional.pad(small.scale.float(), (0, pad)).contiguous()
+
+
+@dataclass(frozen=True)
+class LayerForm:
+    """What one layer is, as the native step reads it; None: the option is off (Llama's case)."""
+
+    input_norm: RMSNorm
+    mlp_norm: RMSNorm
+    activation: str
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+    attention_out_norm: RMSNorm | None = None
+    mlp_out_norm: RMSNorm | None = None
+    scale: float | None = None  # the factor on q.k; None: 1 / sqrt(head_dim)
+    softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelForm:
+    layers: list[LayerForm]
+    rotaries: list[torch.nn.Module]  # worker/model/rope.Rotary
+    layer_rotary: list[int]
+    windows: list[int]
+    embed_scale: float | None
+    final_softcap: float | None
+
+
+def layer_form(layer: torch.nn.Module) -> LayerForm | str:
+    """The layer's native form, or why it has none."""
+    if isinstance(layer, DecoderLayer):
+        return LayerForm(layer.input_norm, layer.post_attention_norm, "silu")
+    if not isinstance(layer, Block):
+        return f"layers of type {type(layer).__name__} have no native form"
+    if not isinstance(layer.mlp, GatedMLP):
+        return f"a {type(layer.mlp).__name__} MLP (mixture of experts) has no native form"
+    attention = layer.attention
+    attend = attention.attend
+    if getattr(attend, "func", attend) is not paged_attention or getattr(attend, "args", ()):
+        return "the layer's attention is not paged_attention with keywords"
+    keywords = dict(getattr(attend, "keywords", {}))
+    if set(keywords) - {"scale", "softcap"}:
+        return f"attention options {sorted(set(keywords) - {'scale', 'softcap'})} have no native form"
+    if layer.mlp.activation not in ACTIVATIONS:
+        return f"the MLP activation {layer.mlp.activation!r} has no native form"
+    form = LayerForm(
+        input_norm=layer.input_norm,
+        mlp_norm=layer.mlp_norm,
+        activation=layer.mlp.activation,
+        q_norm=attention.q_norm,
+        k_norm=attention.k_norm,
+        attention_out_norm=layer.post_attention_norm,
+        mlp_out_norm=layer.post_mlp_norm,
+        scale=keywords.get("scale"),
+        softcap=keywords.get("softcap"),
+    )
+    norms = (form.input_norm, form.mlp_norm, form.q_norm, form.k_norm, form.attention_out_norm, form.mlp_out_norm)
+    if any(norm is not None and not isinstance(norm, RMSNorm) for norm in norms):
+        return "a norm other than RMSNorm has no native form"
+    return form
+
+
+def model_form(model: torch.nn.Module) -> ModelForm | str:
+    """The model's native form, or why it has none."""
+    if type(model) is LlamaModel:
+        count = len(model.layers)
+        rotaries, layer_rotary, windows = [model.rotary], [0] * count, [0] * count
+        embed_scale = final_softcap = None
+    elif type(model) is DecoderModel:
+        rotaries, layer_rotary, windows = list(model.rotaries), list(model.layer_rotary), list(model.layer_windows)
+        embed_scale, final_softcap = model.embed_scale, model.final_softcap
+    else:
+        return f"a {type(model).__name__} has no native form"
+    layers = []
+    for index, layer in enumerate(model.layers):
+        form = layer_form(layer)
+        if isinstance(form, str):
+            return f"layer {index}: {form}"
+        layers.append(form)
+    if len({(f.scale, f.softcap) for f in layers}) > 1:
+        return "layers with different attention scales or soft caps have no native form"
+    return ModelForm(layers, rotaries, layer_rotary, windows, embed_scale, final_softcap)
+
+
+def projection_names(checkpoint: Checkpoint, index: int) -> tuple[list[str], str, list[str], str]:
+    """The modules of layer `index`'s qkv, o, gate_up and down projections (Phi-3 stores qkv and gate_up fused)."""
+    attn, mlp = f"model.layers.{index}.self_attn.", f"model.layers.{index}.mlp."
+    fused_qkv = attn + "qkv_proj.weight" in checkpoint.weights
+    qkv = [attn + "qkv_proj"] if fused_qkv else [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
+    gate_up = (
+        [mlp + "gate_up_proj"]
+        if mlp + "gate_up_proj.weight" in checkpoint.weights
+        else [mlp + "gate_proj", mlp + "up_proj"]
+    )
+    return qkv, attn + "o_proj", gate_up, mlp + "down_proj"
+
+
+def unsupported(model: torch.nn.Module, checkpoint: Checkpoint) -> str | None:
+    """Why the native step cannot run this model on this machine; None when it can."""
+    form = model_form(model)
+    if isinstance(form, str):
+        return form
+    config = model.config
+    if not _shapes_fit(config):
+        return (
+            "the kernel takes head_dim 64, 128 or 256 and widths that are multiples of 64 (this model: head_dim "
+            f"{config.head_dim}, hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
+            f"{config.num_heads} heads, {config.num_kv_heads} KV heads)"
+        )
+    qkv_biases = {
+        name + ".bias" for index in range(config.num_layers) for name in projection_names(checkpoint, index)[0]
+    }
+    others = sorted(name for name in checkpoint.weights if name.endswith(".bias") and name not in qkv_biases)
+    if others:
+        return f"the checkpoint has biases the native step does not add ({others[0]})"
+    missing = build.missing_requirements()
+    if missing:
+        return missing
+    if build.load() is None:
+        return f"the native library did not build (see the log) from {build.SOURCE.name}"
+    return None
+
+
+def _shapes_fit(config) -> bool:
+    q_size = config.num_heads * config.head_dim
+    return (
+        config.head_dim in (64, 128, 256) and config.num_heads % config.num_kv_heads == 0
+        and config.num_heads // config.num_kv_heads <= 16 and config.hidden_size % 64 == 0
+        and config.intermediate_size % 64 == 0 and q_size % 64 == 0 and INT4_GROUP == 32
+        and (q_size + 2 * config.num_kv_heads * config.head_dim) % BLOCK_N == 0
+        and config.rotary_dim % 2 == 0 and config.rotary_dim <= config.head_dim
+    )  # fmt: skip
+
+
+def amx_usable(library: ctypes.CDLL) -> bool:
+    """Whether the linears can run on AMX tiles here: the CPU has them and the kernel grants their state."""
+    return {"amx_tile", "amx_bf16"} <= build.cpu_flags() and library.lmq_amx_enable() == 1
+
+
+class NativeSteps:
+    """The packed model and its step. Build it with `NativeSteps.build` once `unsupported` said None."""
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        model: torch.nn.Module,
+        checkpoint: Checkpoint,
+        threads: int,
+        max_rows: int | None = None,
+        amx_from_rows: int = 0,
+    ) -> None:
+        form = model_form(model)
+        if isinstance(form, str):
+            raise ValueError(f"no native step for this model: {form}")
+        config = model.config
+        self.max_rows = max_rows
+        self.library, self.vocab = library, config.vocab_size
+        # Every step on all the worker's threads: the native step wakes them once, not once per operator, so
+        # even one row gains from two (worker/step_threads.py's rule is for torch's many small operators).
+        self.threads = threads
+        self.final_softcap = form.final_softcap
+        self._keep: list[torch.Tensor] = []  # every tensor the structs point into
+        layers = [self._layer(checkpoint, form, index) for index in range(config.num_layers)]
+        self._layers = (LayerWeights * len(layers))(*layers)
+        head_q, head_scale = head_int8(model.lm_head)
+        self.head_rows = head_q.shape[0] * BLOCK_N
+        inv_freq = torch.stack([rotary.inv_freq.float() for rotary in form.rotaries]).contiguous()
+        rope_factor = torch.tensor([float(rotary.attention_factor) for rotary in form.rotaries], dtype=torch.float32)
+        first = form.layers[0]
+        self.struct = ModelStruct(
+            layers=config.num_layers, hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, intermediate=config.intermediate_size, vocab=self.head_rows,
+            eps=config.rms_norm_eps, rotary_dim=inv_freq.shape[1] * 2, rotaries=len(form.rotaries),
+            inv_freq=self._pointer(inv_freq), rope_factor=self._pointer(rope_factor),
+            embed_scale=1.0 if form.embed_scale is None else _in_dtype(form.embed_scale, model.embed_tokens.dtype),
+            attention_scale=config.head_dim**-0.5 if first.scale is None else first.scale,
+            attention_softcap=first.softcap or 0.0, activation=ACTIVATIONS[first.activation],
+            embed=self._pointer(model.embed_tokens.data), layer=ctypes.addressof(self._layers),
+            final_norm=self._pointer(model.norm.weight.float().contiguous()),
+            head=self._pointer(head_q), head_scale=self._pointer(head_scale), amx_from_rows=amx_from_rows,
+        )  # fmt: skip
+        library.lmq_step.argtypes = [ctypes.POINTER(ModelStruct), ctypes.POINTER(StepStruct), ctypes.c_int]
+        library.lmq_step.restype = ctypes.c_int
+        if library.lmq_step_phases() != len(PHASES):
+            raise RuntimeError("the native library and native_step.py disagree on the step's phases")
+        self.phase_seconds: torch.Tensor | None = (
+            None  # float64 [len(PHASES)]: set it to have steps add their phases' times
+        )
+
+    @classmethod
+    def build(
+        cls, model: torch.nn.Module, checkpoint: Checkpoint, threads: int, max_rows: int | None, invariant: bool
+    ) -> NativeSteps:
+        """invariant: every step native and on VNNI, whatever its size, so that a sequence's tokens do not depend
+        on what it is batched with (max_rows and AMX tiles, which change the arithmetic of large steps, off)."""
+        library = build.load()
+        if library is None:
+            raise RuntimeError("the native library is not available")
+        amx_from_rows = 0 if invariant or not amx_usable(library) else AMX_FROM_ROWS
+        steps = cls(library, model, checkpoint, threads, None if invariant else max_rows, amx_from_rows)
+        limit = f" of fewer than {max_rows} tokens" if max_rows and not invariant else ""
+        tiles = f", from {amx_from_rows} rows on AMX tiles" if amx_from_rows else ""
+        log.info("steps%s run natively (one call per step; linears int4 x int16 on VNNI%s)", limit, tiles)
+        return steps
+
+    def _pointer(self, tensor: torch.Tensor) -> int:
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _optional(self, norm: RMSNorm | None) -> int | None:
+        return None if norm is None else self._pointer(norm.weight.float().contiguous())
+
+    def _matrix(self, checkpoint: Checkpoint, names: list[str]) -> Int4Matrix:
+        sources = [checkpoint.weights[name + ".weight"] for name in names]
+        blocks = Int4Blocks.cat([source.int4() or quantize_int4(source.load()) for source in sources])
+        nibbles, scales, mins = pack_int4(blocks)
+        n, k = blocks.q.shape
+        return Int4Matrix(self._pointer(nibbles), self._pointer(scales), self._pointer(mins), n, k)
+
+    def _bias(self, checkpoint: Checkpoint, names: list[str]) -> int | None:
+        present = [name + ".bias" in checkpoint.weights for name in names]
+        if not any(present):
+            return None
+        if not all(present):
+            raise ValueError(f"biases on some of {names} only")
+        return self._pointer(
+            torch.cat([checkpoint.weights[name + ".bias"].load().float() for name in names]).contiguous()
+        )
+
+    def _layer(self, checkpoint: Checkpoint, form: ModelForm, index: int) -> LayerWeights:
+        qkv, o, gate_up, down = projection_names(checkpoint, index)
+        layer = form.layers[index]
+        return LayerWeights(
+            qkv=self._matrix(checkpoint, qkv), o=self._matrix(checkpoint, [o]),
+            gate_up=self._matrix(checkpoint, gate_up), down=self._matrix(checkpoint, [down]),
+            input_norm=self._optional(layer.input_norm), post_norm=self._optional(layer.mlp_norm),
+            qkv_bias=self._bias(checkpoint, qkv), q_norm=self._optional(layer.q_norm), k_norm=self._optional(layer.k_norm),
+            attention_out_norm=self._optional(layer.attention_out_norm), mlp_out_norm=self._optional(layer.mlp_out_norm),
+            window=form.windows[index], rotary=form.layer_rotary[index],
+        )  # fmt: skip
+
+    def takes(self, batch: StepBatch, kv: PagedKV) -> bool:
+        """Whether the native code runs this step: a bfloat16 CPU pool and fewer tokens than max_rows."""
+        return (
+            kv.k.dtype == torch.bfloat16 and kv.k.device.type == "cpu" and type(batch) is StepBatch
+            and (self.max_rows is None or batch.input_ids.numel() < self.max_rows)
+        )  # fmt: skip
+
+    def forward(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:
+        k, v = kv.k, kv.v
+        if not (k.is_contiguous() and v.is_contiguous()):
+            raise ValueError("the native step needs a contiguous KV pool")
+        rows = batch.input_ids.numel()
+        ids, positions, slots = (
+            t.to(torch.int64).contiguous() for t in (batch.input_ids, batch.positions, batch.slots)
+        )
+        contexts = positions + 1
+        sequence_of_row = torch.repeat_interleave(torch.arange(len(batch.query_lens)), torch.tensor(batch.query_lens))
+        page_tables = batch.page_tables.to(torch.int64)[sequence_of_row].contiguous()
+        logit_rows = batch.logits_indices.to(torch.int64).contiguous()
+        logits = torch.empty(logit_rows.numel(), self.head_rows, dtype=torch.float32)
+        step = StepStruct(
+            rows=rows, ids=ids.data_ptr(), positions=positions.data_ptr(), slots=slots.data_ptr(),
+            contexts=contexts.data_ptr(), page_tables=page_tables.data_ptr(), page_table_stride=page_tables.shape[1],
+            k_pool=k.data_ptr(), v_pool=v.data_ptr(), layer_stride=k[0].numel(), page_size=k.shape[2],
+            logit_rows=logit_rows.data_ptr(), logit_count=logit_rows.numel(), logits=logits.data_ptr(),
+            phase_seconds=None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
+        )  # fmt: skip
+        status = self.library.lmq_step(ctypes.byref(self.struct), ctypes.byref(step), self.threads)
+        if status != 0:
+            raise RuntimeError(f"the native step refused the model's shapes (status {status})")
+        logits = logits[:, : self.vocab]
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """value rounded to dtype, as the torch path multiplies by it (Gemma's sqrt(hidden) in bfloat16, as HF does)."""
+    return float(torch.tensor(value, dtype=dtype))
