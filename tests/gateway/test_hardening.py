@@ -242,6 +242,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.system
 async def test_eight_non_reading_streams_leave_the_gateway_process_rss_bounded(
     redis_url, redis_client, tmp_path
 ) -> None:

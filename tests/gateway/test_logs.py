@@ -207,6 +207,7 @@ def test_the_global_flags_work_before_the_subcommand(tmp_path) -> None:
 # ---------------------------------------------------------------- the real processes
 
 
+@pytest.mark.system
 def test_serve_logs_json_with_one_id_from_gateway_to_worker(tiny_model_dir, tmp_path) -> None:
     """`lmq serve --log-format json` (after the subcommand), the level from LMQ_LOG_LEVEL."""
     port = free_tcp_port()
