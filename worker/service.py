@@ -33,7 +33,7 @@ from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from worker import compute_thread
 from worker.cancel_memory import CancelMemory
 from worker.chat_render import tool_calls_grammar
-from worker.claims import Entry, RequestStreams, is_missing_group, model_lanes
+from worker.claims import Entry, EntryRef, RequestStreams, is_missing_group, model_lanes
 from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.heartbeat import heartbeat_loop
@@ -221,12 +221,12 @@ class Worker:
             await asyncio.sleep(self.config.claim_idle_ms / 3000)
             self._time_out_overdue()
             try:
-                lost = await self.stream.keep([running.entry_id for running in self.table.running.values()])
+                lost = await self.stream.keep([running.entry for running in self.table.running.values()])
             except REDIS_FAILURES as exc:
                 log.warning("could not refresh held entries: %s", exc)
                 continue
-            for entry_id in lost:
-                self._on_refused(entry_id, "lost", "another worker took it over")
+            for entry in lost:
+                self._on_refused(entry, "lost", "another worker took it over")
 
     async def _recover_from(self, error: Exception) -> None:
         """Recreate a lost stream or group (FLUSHALL, a Redis restarted empty); else wait and retry."""
@@ -239,12 +239,12 @@ class Worker:
                 error = exc
         await _pause_after(error)
 
-    def _on_written(self, entry_ids: list[str]) -> None:
-        self.table.written(entry_ids)
+    def _on_written(self, entries: list[EntryRef]) -> None:
+        self.table.written(entries)
 
-    def _on_refused(self, entry_id: str, status: str, detail: str) -> None:
+    def _on_refused(self, entry: EntryRef, status: str, detail: str) -> None:
         """The publisher or the keep loop found an entry this worker may no longer answer: stop its request."""
-        request_id = self.table.drop(entry_id)
+        request_id = self.table.drop(entry)
         if request_id is not None:
             self.engine.cancel(request_id)
 
@@ -293,13 +293,13 @@ class Worker:
         try:
             request = decode_request(raw)
         except ProtocolError as exc:
-            self.table.reject(entry.entry_id, raw, exc.code, exc.message, request_id=exc.request_id, reply=exc.reply)
+            self.table.reject(entry.ref, raw, exc.code, exc.message, request_id=exc.request_id, reply=exc.reply)
             return
-        shard = self.stream.lane_of(entry.entry_id).shard
+        shard = self.stream.lane_of(entry.ref).shard
         if request.reply.kind != "pubsub" and not shard.holds(request.reply.key):
             # A script may write any key its node holds, so without this check where the slots lie would decide.
             message = f"the reply {request.reply.kind} {request.reply.key!r} is outside the request's shard: on a Redis Cluster it carries the shard's hash tag {{{shard.tag}}}"
-            self.table.reject(entry.entry_id, raw, "reply_denied", message, request_id=request.id, reply=None)
+            self.table.reject(entry.ref, raw, "reply_denied", message, request_id=request.id, reply=None)
             return
         streamed: list[int] = []
         try:
@@ -308,10 +308,10 @@ class Worker:
             if time.time() > request.deadline:
                 raise ProtocolError("timeout", "the request's deadline passed before it started")
             if request.task != "generate":
-                self.table.answer(entry.entry_id, request, answer_task(self.model, request))
+                self.table.answer(entry.ref, request, answer_task(self.model, request))
                 return
-            await self._hold_id(request, entry.entry_id)
-            self._start(request, entry.entry_id, streamed)
+            await self._hold_id(request, entry.ref)
+            self._start(request, entry.ref, streamed)
         except REDIS_FAILURES:
             raise
         except Exception as exc:
@@ -320,7 +320,7 @@ class Worker:
             forget = code != "duplicate_id"
             log.info("request_id=%s refused: %s: %s", request.id, code, message, extra={"request_id": request.id})
             self.table.reject(
-                entry.entry_id,
+                entry.ref,
                 raw,
                 code,
                 message,
@@ -332,25 +332,26 @@ class Worker:
 
     async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
         """For an entry taken over from a dead worker: the tokens it streamed, unless it ran too often."""
-        progress = self.stream.lane_of(entry.entry_id).shard.progress_key(request.id)
+        progress = self.stream.lane_of(entry.ref).shard.progress_key(request.id)
         streamed = decode_progress(await self.redis.get(progress))
-        attempts = await self.stream.delivery_count(entry.entry_id)
+        attempts = await self.stream.delivery_count(entry.ref)
         if attempts > self.config.max_attempts:
             raise ProtocolError(
                 "retry_limit", f"abandoned by {attempts - 1} workers; the limit is {self.config.max_attempts} runs"
             )
         return streamed
 
-    async def _hold_id(self, request: Request, entry_id: str) -> None:
+    async def _hold_id(self, request: Request, entry: EntryRef) -> None:
         """Make this entry the one that runs the request's id, on every worker: two entries with one id
         would share a reply address and a progress record. The entry finishing deletes the key."""
-        key = self.stream.lane_of(entry_id).shard.holder_key(request.id)
+        key = self.stream.lane_of(entry).shard.holder_key(request.id)
+        holder_name = str(entry)  # unique in the shard: its two streams number their entries independently
         ttl = max(int(request.deadline - time.time()), 0) + HOLDER_MARGIN_S
-        holder = await self._hold(keys=[key], args=[entry_id, ttl])
-        if holder is not None and holder.decode() != entry_id:
+        holder = await self._hold(keys=[key], args=[holder_name, ttl])
+        if holder is not None and holder.decode() != holder_name:
             raise ProtocolError("duplicate_id", f"a request with id {request.id} is already running")
 
-    def _start(self, request: Request, entry_id: str, streamed: list[int]) -> None:
+    def _start(self, request: Request, entry: EntryRef, streamed: list[int]) -> None:
         prompt_ids = build_prompt_ids(
             self.model,
             messages=request.messages,
@@ -374,7 +375,7 @@ class Worker:
             priority=request.priority,
         )
         self.engine.add(work)
-        self.table.start(request, entry_id, len(streamed), len(prompt_ids))
+        self.table.start(request, entry, len(streamed), len(prompt_ids))
         resumed = f", resuming after {len(streamed)} streamed tokens" if streamed else ""
         log.info(
             "request_id=%s started: %d prompt tokens%s",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol import Reply, Request, delta_event, done_event, error_event, started_event
+from worker.claims import EntryRef
 from worker.engine import SeqOutput
 from worker.publisher import Publisher
 from worker.request_spans import RequestSpans
@@ -20,7 +21,7 @@ ORDINARY_REJECTIONS = ("timeout", "prompt_too_long")
 @dataclass
 class Running:
     request: Request
-    entry_id: str
+    entry: EntryRef
     next_seq: int
     streamed: int  # completion tokens sent so far, by this worker or a dead one before it
     spans: RequestSpans
@@ -45,24 +46,24 @@ class RequestTable:
         self.count_outcome = count_outcome  # called with a finish reason or an error code
         self.logprob_maps = logprob_maps  # an output's TokenLogprobs as the protocol's maps (worker/logprob_events.py)
         self.running: dict[str, Running] = {}
-        self._publishing: dict[str, RequestSpans] = {}  # entry id -> spans of an ended request until its write is done
+        self._publishing: dict[
+            EntryRef, RequestSpans
+        ] = {}  # entry -> spans of an ended request until its write is done
 
-    def start(self, request: Request, entry_id: str, already_streamed: int, prompt_tokens: int) -> None:
+    def start(self, request: Request, entry: EntryRef, already_streamed: int, prompt_tokens: int) -> None:
         """A request that asks to be announced gets `started` (seq 0) from its first run. A dead worker
         sent that and at most one delta per streamed token, so a re-run's seq numbers start above them."""
-        spans = RequestSpans(request, entry_id, self.publisher.consumer, already_streamed)
+        spans = RequestSpans(request, entry.entry_id, self.publisher.consumer, already_streamed)
         first_seq = already_streamed + 1 if request.announce else already_streamed
-        self.running[request.id] = Running(
-            request, entry_id, next_seq=first_seq, streamed=already_streamed, spans=spans
-        )
+        self.running[request.id] = Running(request, entry, next_seq=first_seq, streamed=already_streamed, spans=spans)
         if request.announce and not already_streamed:
-            self.publisher.send(entry_id, request.reply, started_event(request.id, 0, prompt_tokens))
+            self.publisher.send(entry, request.reply, started_event(request.id, 0, prompt_tokens))
 
-    def answer(self, entry_id: str, request: Request, event: dict) -> None:
+    def answer(self, entry: EntryRef, request: Request, event: dict) -> None:
         """A request answered at once with one event (a tokenize task): sent, and its entry finished."""
         self.count_outcome(event.get("finish_reason") or event.get("code", "done"))
-        self.publisher.send(entry_id, request.reply, event)
-        self.publisher.finish(entry_id, None)
+        self.publisher.send(entry, request.reply, event)
+        self.publisher.finish(entry, None)
 
     def on_step(self, outputs: list[SeqOutput]) -> None:
         """Turn one engine step's outputs into writes."""
@@ -77,7 +78,7 @@ class RequestTable:
 
     def reject(
         self,
-        entry_id: str,
+        entry: EntryRef,
         raw: bytes,
         code: str,
         message: str,
@@ -89,28 +90,28 @@ class RequestTable:
     ) -> None:
         """Answer a request that will not run: an error event where possible, a dead letter unless ordinary.
         `forget`: also delete the request id's progress and holder keys."""
-        log.info("rejected entry %s (%s): %s", entry_id, code, message)
+        log.info("rejected entry %s (%s): %s", entry, code, message)
         self.count_outcome(code)
         if reply is not None:
-            self.publisher.send(entry_id, reply, error_event(request_id, seq, code, message))
+            self.publisher.send(entry, reply, error_event(request_id, seq, code, message))
         if code not in ORDINARY_REJECTIONS:
-            self.publisher.dead_letter(entry_id, raw, code, message)
-        self.publisher.finish(entry_id, request_id if forget else None)
+            self.publisher.dead_letter(entry, raw, code, message)
+        self.publisher.finish(entry, request_id if forget else None)
 
-    def drop(self, entry_id: str) -> str | None:
+    def drop(self, entry: EntryRef) -> str | None:
         """Forget the request of an entry this worker may no longer answer; its id, to cancel in the engine."""
         for request_id, running in self.running.items():
-            if running.entry_id == entry_id:
+            if running.entry == entry:
                 del self.running[request_id]
                 running.spans.dropped("the entry was taken over or its reply refused")
                 self.count_outcome("dropped")
                 return request_id
         return None
 
-    def written(self, entry_ids: list[str]) -> None:
+    def written(self, entries: list[EntryRef]) -> None:
         """The publisher wrote these entries' events: the requests that ended there are done."""
-        for entry_id in entry_ids:
-            spans = self._publishing.pop(entry_id, None)
+        for entry in entries:
+            spans = self._publishing.pop(entry, None)
             if spans is not None:
                 spans.written()
 
@@ -120,11 +121,11 @@ class RequestTable:
         request = running.request
         logprobs = self.logprob_maps(output.logprobs) if output.logprobs is not None else None
         event = delta_event(request.id, running.take_seq(), output.text, output.token_ids, running.streamed, logprobs)
-        self.publisher.send(running.entry_id, request.reply, event)
+        self.publisher.send(running.entry, request.reply, event)
         if output.token_ids:
             running.spans.tokens_streamed()
         if output.finish_reason is None:
-            self.publisher.record_progress(running.entry_id, request.id, running.streamed, output.token_ids)
+            self.publisher.record_progress(running.entry, request.id, running.streamed, output.token_ids)
         running.streamed += len(output.token_ids)
 
     def _send_end(self, running: Running, output: SeqOutput) -> None:
@@ -144,9 +145,9 @@ class RequestTable:
                 output.cached_tokens,
                 output.stop_sequence,
             )
-        self.publisher.send(running.entry_id, request.reply, event)
-        self.publisher.finish(running.entry_id, request.id)
+        self.publisher.send(running.entry, request.reply, event)
+        self.publisher.finish(running.entry, request.id)
         outcome = event.get("finish_reason") or event["code"]
         self.count_outcome(outcome)
         running.spans.ended(outcome)
-        self._publishing[running.entry_id] = running.spans
+        self._publishing[running.entry] = running.spans
