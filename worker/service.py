@@ -31,7 +31,6 @@ from protocol.cluster_url import shard_layout
 from protocol.keys import BATCH, INTERACTIVE
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from worker import compute_thread
-from worker.cancel_memory import CancelMemory
 from worker.chat_render import tool_calls_grammar
 from worker.claims import Entry, EntryRef, RequestStreams, is_missing_group, model_lanes
 from worker.config import WorkerConfig, parse_kv_memory
@@ -99,12 +98,13 @@ class Worker:
             on_step_seconds=lambda seconds: self.metrics.observe_step(seconds),
         )
         self.metrics = WorkerMetrics(self.model_name, lambda: self.engine.stats)
-        self.table = RequestTable(self.publisher, self.metrics.count_finished, LogprobEvents(model.tokenizer))
+        self.table = RequestTable(
+            self.publisher, self.engine.cancel, self.metrics.count_finished, LogprobEvents(model.tokenizer)
+        )
         # A script, not MULTI: redis-py 8.1's cluster client runs a transaction that finds its slot map
         # stale on another event loop, which fails (seen after a primary came back).
         self._hold = redis.register_script(HOLD_LUA)
         self._room = asyncio.Event()
-        self._early_cancels = CancelMemory()  # (request id, token digest) of cancels for requests not started yet
 
     # ------------------------------------------------------------ lifetime
 
@@ -219,7 +219,7 @@ class Worker:
         """Keep our entries from looking abandoned, and time out those past their deadline."""
         while True:
             await asyncio.sleep(self.config.claim_idle_ms / 3000)
-            self._time_out_overdue()
+            self.table.time_out_overdue(time.time())
             try:
                 lost = await self.stream.keep([running.entry for running in self.table.running.values()])
             except REDIS_FAILURES as exc:
@@ -243,10 +243,8 @@ class Worker:
         self.table.written(entries)
 
     def _on_refused(self, entry: EntryRef, status: str, detail: str) -> None:
-        """The publisher or the keep loop found an entry this worker may no longer answer: stop its request."""
-        request_id = self.table.drop(entry)
-        if request_id is not None:
-            self.engine.cancel(request_id)
+        """The publisher or the keep loop found an entry this worker may no longer answer: end its request."""
+        self.table.refused(entry, status)
 
     async def _listen_for_cancels(self) -> None:
         while True:
@@ -266,25 +264,12 @@ class Worker:
             await cancels.aclose()
 
     def _cancel(self, raw: bytes) -> None:
-        """Stop the request the cancel names (its id and its token's digest, protocol.Cancel); a cancel
-        naming no request this worker runs is remembered: perhaps it was read but has not started yet."""
         try:
             cancel = decode_cancel(raw)
         except ProtocolError as exc:
             log.info("ignored a malformed cancellation: %s", exc)
             return
-        running = self.table.running.get(cancel.id)
-        if running is not None and running.request.cancel_digest == cancel.digest:
-            self.engine.cancel(cancel.id)
-        else:
-            self._early_cancels.remember((cancel.id, cancel.digest))
-
-    def _time_out_overdue(self) -> None:
-        now = time.time()
-        for running in self.table.running.values():
-            if running.request.deadline < now and not running.timed_out:
-                running.timed_out = True
-                self.engine.cancel(running.request.id)
+        self.table.cancel(cancel)
 
     # ------------------------------------------------------------ from entry to engine
 
@@ -384,8 +369,6 @@ class Worker:
             resumed,
             extra={"request_id": request.id},
         )
-        if self._early_cancels.take((request.id, request.cancel_digest)):
-            self.engine.cancel(request.id)
 
     def _on_step(self, outputs: list[SeqOutput]) -> None:
         self.table.on_step(outputs)

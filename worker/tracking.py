@@ -1,12 +1,28 @@
-"""The requests a worker holds, and the events their engine outputs become."""
+"""The requests a worker holds, and the events their engine outputs become: the one owner of a running request.
+
+A request starts here (`start`) and ends here, once, in `_close`, whatever ends it:
+
+- its model finished it (the engine's `stop` or `length`), or the engine failed its step (`error`):
+  its final event is a `done` or an `internal` error;
+- `end(request_id, reason)`, the one way to end it before that, with an `Ending`: its producer
+  cancelled it (`cancel`, remembered in `early_cancels` when it comes before the request starts), its
+  deadline passed (`time_out_overdue`), another worker took its entry over or its reply could not be
+  written (`refused`).
+
+Ending a request stops it in the engine, which frees its pages at its next step boundary. While its
+entry is ours, its final event goes out with the entry's acknowledgement (which deletes its progress
+and holder keys too); once it is not, nothing more is written for it.
+"""
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol import Reply, Request, delta_event, done_event, error_event, started_event
+from protocol import Cancel, Reply, Request, delta_event, done_event, error_event, started_event
+from worker.cancel_memory import CancelMemory
 from worker.claims import EntryRef
 from worker.engine import SeqOutput
 from worker.publisher import Publisher
@@ -18,6 +34,19 @@ log = logging.getLogger(__name__)
 ORDINARY_REJECTIONS = ("timeout", "prompt_too_long")
 
 
+class Ending(enum.Enum):
+    """Why a request ends before its model finishes it, and so what it is told."""
+
+    CANCELLED = "cancelled"  # its producer cancelled it: a `done` with finish_reason "cancelled"
+    TIMEOUT = "timeout"  # its deadline passed while it ran: a `timeout` error
+    TAKEN_OVER = "lost"  # another worker claimed its entry: that worker answers it
+    REFUSED = "refused"  # its reply could not be written (`denied`, `too_large`): the publisher finished its entry
+
+    @property
+    def entry_is_ours(self) -> bool:
+        return self in (Ending.CANCELLED, Ending.TIMEOUT)
+
+
 @dataclass
 class Running:
     request: Request
@@ -25,7 +54,7 @@ class Running:
     next_seq: int
     streamed: int  # completion tokens sent so far, by this worker or a dead one before it
     spans: RequestSpans
-    timed_out: bool = False
+    ending: Ending | None = None  # set by `end`, until the engine confirms the stop
 
     def take_seq(self) -> int:
         self.next_seq += 1
@@ -39,13 +68,16 @@ class RequestTable:
     def __init__(
         self,
         publisher: Publisher,
+        stop: Callable[[str], None],
         count_outcome: Callable[[str], None],
         logprob_maps: LogprobMaps = lambda logprobs: [],
     ):
         self.publisher = publisher
+        self.stop = stop  # the engine's cancel: the request's pages are freed at its next step boundary
         self.count_outcome = count_outcome  # called with a finish reason or an error code
         self.logprob_maps = logprob_maps  # an output's TokenLogprobs as the protocol's maps (worker/logprob_events.py)
         self.running: dict[str, Running] = {}
+        self.early_cancels = CancelMemory()  # (request id, token digest) of cancels for requests not started yet
         self._publishing: dict[
             EntryRef, RequestSpans
         ] = {}  # entry -> spans of an ended request until its write is done
@@ -58,6 +90,8 @@ class RequestTable:
         self.running[request.id] = Running(request, entry, next_seq=first_seq, streamed=already_streamed, spans=spans)
         if request.announce and not already_streamed:
             self.publisher.send(entry, request.reply, started_event(request.id, 0, prompt_tokens))
+        if self.early_cancels.take((request.id, request.cancel_digest)):
+            self.end(request.id, Ending.CANCELLED)
 
     def answer(self, entry: EntryRef, request: Request, event: dict) -> None:
         """A request answered at once with one event (a tokenize task): sent, and its entry finished."""
@@ -70,11 +104,56 @@ class RequestTable:
         for output in outputs:
             running = self.running.get(output.id)
             if running is None:
-                continue
+                continue  # ended here already: the engine's answer to the stop of a request whose entry was lost
             self._send_delta(running, output)
             if output.finish_reason is not None:
-                self._send_end(running, output)
-                del self.running[output.id]
+                event = self._final_event(running, output)
+                self._close(running, event, event.get("finish_reason") or event["code"])
+
+    # ------------------------------------------------------------ ending a request early
+
+    def cancel(self, cancel: Cancel) -> None:
+        """End the request a producer's cancel names (its id and its token's digest); a cancel naming
+        no request running here is remembered: perhaps it was read but has not started yet."""
+        running = self.running.get(cancel.id)
+        if running is not None and running.request.cancel_digest == cancel.digest:
+            self.end(cancel.id, Ending.CANCELLED)
+        else:
+            self.early_cancels.remember((cancel.id, cancel.digest))
+
+    def time_out_overdue(self, now: float) -> None:
+        """End the requests whose deadline (a wall-clock time) is before `now`."""
+        for running in list(self.running.values()):
+            if running.request.deadline < now:
+                self.end(running.request.id, Ending.TIMEOUT)
+
+    def refused(self, entry: EntryRef, status: str) -> None:
+        """The publisher or the keep loop found an entry this worker may no longer answer: `lost`
+        (another worker owns it), `denied` or `too_large` (its reply could not be written)."""
+        running = next((running for running in self.running.values() if running.entry == entry), None)
+        if running is not None:
+            self.end(running.request.id, Ending.TAKEN_OVER if status == "lost" else Ending.REFUSED)
+
+    def end(self, request_id: str, reason: Ending) -> None:
+        """End a running request before its model finishes it; a request ends once.
+
+        The engine stops it and frees its pages at its next step boundary, then answers with a
+        "cancelled" output (after those of a step in flight). While the entry is ours (CANCELLED,
+        TIMEOUT), that answer brings its final event (`_final_event`). Once the entry is not ours
+        (TAKEN_OVER, REFUSED), the request is closed now, with nothing more written: its claim stays
+        with whoever holds it. A second reason is ignored, except that losing the entry overrides a
+        cancel or timeout still waiting for the engine: there is no one left to tell.
+        """
+        running = self.running.get(request_id)
+        if running is None or (running.ending is not None and reason.entry_is_ours):
+            return
+        if running.ending is None:
+            self.stop(request_id)
+        running.ending = reason
+        if not reason.entry_is_ours:
+            self._close(running, None, "dropped")
+
+    # ------------------------------------------------------------ writes
 
     def reject(
         self,
@@ -98,16 +177,6 @@ class RequestTable:
             self.publisher.dead_letter(entry, raw, code, message)
         self.publisher.finish(entry, request_id if forget else None)
 
-    def drop(self, entry: EntryRef) -> str | None:
-        """Forget the request of an entry this worker may no longer answer; its id, to cancel in the engine."""
-        for request_id, running in self.running.items():
-            if running.entry == entry:
-                del self.running[request_id]
-                running.spans.dropped("the entry was taken over or its reply refused")
-                self.count_outcome("dropped")
-                return request_id
-        return None
-
     def written(self, entries: list[EntryRef]) -> None:
         """The publisher wrote these entries' events: the requests that ended there are done."""
         for entry in entries:
@@ -128,26 +197,33 @@ class RequestTable:
             self.publisher.record_progress(running.entry, request.id, running.streamed, output.token_ids)
         running.streamed += len(output.token_ids)
 
-    def _send_end(self, running: Running, output: SeqOutput) -> None:
+    def _final_event(self, running: Running, output: SeqOutput) -> dict:
+        """The last event of a request whose entry is ours, when the engine reports it finished."""
         request = running.request
         seq = running.take_seq()
         if output.finish_reason == "error":
-            event = error_event(request.id, seq, "internal", output.error or "the engine failed")
-        elif output.finish_reason == "cancelled" and running.timed_out:
-            event = error_event(request.id, seq, "timeout", "the request's deadline passed while it ran")
-        else:
-            event = done_event(
-                request.id,
-                seq,
-                output.finish_reason,
-                output.prompt_tokens,
-                output.completion_tokens,
-                output.cached_tokens,
-                output.stop_sequence,
-            )
-        self.publisher.send(running.entry, request.reply, event)
-        self.publisher.finish(running.entry, request.id)
-        outcome = event.get("finish_reason") or event["code"]
+            return error_event(request.id, seq, "internal", output.error or "the engine failed")
+        if output.finish_reason == "cancelled" and running.ending is Ending.TIMEOUT:
+            return error_event(request.id, seq, "timeout", "the request's deadline passed while it ran")
+        return done_event(
+            request.id,
+            seq,
+            output.finish_reason,
+            output.prompt_tokens,
+            output.completion_tokens,
+            output.cached_tokens,
+            output.stop_sequence,
+        )
+
+    def _close(self, running: Running, event: dict | None, outcome: str) -> None:
+        """Where every request this table started ends, once: it is forgotten and its outcome counted.
+        With an `event` (its entry is ours), that is its last write, sent with the entry's acknowledgement."""
+        del self.running[running.request.id]
         self.count_outcome(outcome)
+        if event is None:
+            running.spans.dropped("the entry was taken over or its reply refused")
+            return
+        self.publisher.send(running.entry, running.request.reply, event)
+        self.publisher.finish(running.entry, running.request.id)
         running.spans.ended(outcome)
         self._publishing[running.entry] = running.spans
