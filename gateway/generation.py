@@ -30,6 +30,7 @@ from . import access_log, rate_limits
 from .context import Gateway
 from .errors import ApiError
 from .replies import AlreadyOpen
+from .token_order import token_gap
 
 
 @dataclass(frozen=True)
@@ -249,11 +250,11 @@ class Generation:
 
     def _accept_delta(self, event: dict[str, Any]) -> Delta | None:
         token_ids = list(event.get("token_ids") or [])
-        offset = int(event.get("offset", 0))
-        if offset < self._tokens_relayed:
+        gap = token_gap(event, self._tokens_relayed)
+        if gap < 0:
             return None  # a re-run after a worker death repeating tokens already relayed
-        if offset > self._tokens_relayed:
-            raise _lost(offset - self._tokens_relayed)
+        if gap > 0:
+            raise _lost(gap)
         self._tokens_relayed += len(token_ids)
         self.metrics.tokens(len(token_ids))
         if self._first_token_at is None:
@@ -272,8 +273,8 @@ class Generation:
             raise ApiError(503, "the request was cancelled before it finished", code="cancelled")
         usage = event.get("usage") or {}
         completion_tokens = int(usage.get("completion_tokens", 0))
-        if completion_tokens > self._tokens_relayed:
-            raise _lost(completion_tokens - self._tokens_relayed)
+        if (gap := token_gap(event, self._tokens_relayed)) > 0:
+            raise _lost(gap)
         done = Done(
             finish_reason=str(event.get("finish_reason")),
             stop_sequence=event.get("stop_sequence"),
