@@ -27,6 +27,7 @@ from protocol import (
     decode_progress,
     decode_request,
 )
+from protocol.cancelling import cancel_and_wait
 from protocol.cluster_url import shard_layout
 from protocol.keys import BATCH, INTERACTIVE
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 READ_BLOCK_MS = 1000
 REDIS_RETRY_S = 1.0
 HOLDER_MARGIN_S = 60  # a request's holder key outlives its deadline by this much
-CANCEL_TRIES, CANCEL_WAIT_S = 10, 1.0
+CANCEL_WAITS_S = (1.0,) * 10  # a stopping task is cancelled up to ten times, a second apart
 # SET NX EX, and answer who holds the key now (this entry, or the one that held it already).
 HOLD_LUA = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return ARGV[1] end return redis.call('GET', KEYS[1])"
 
@@ -427,15 +428,7 @@ async def _pause_after(error: Exception) -> None:
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:
-    """Cancel and await the tasks. A cancellation can be lost (redis-py and Python 3.11's wait_for may
-    swallow one that lands as a connection completes), so a task still running is cancelled again."""
-    for _ in range(CANCEL_TRIES):
-        running = [task for task in tasks if not task.done()]
-        if not running:
-            break
-        for task in running:
-            task.cancel()
-        await asyncio.wait(running, timeout=CANCEL_WAIT_S)
-    else:
-        log.error("tasks did not stop when cancelled: %s", [task.get_name() for task in tasks if not task.done()])
-    await asyncio.gather(*(task for task in tasks if task.done()), return_exceptions=True)
+    """Cancel and await the tasks (protocol/cancelling.py: a task that swallowed its cancellation is cancelled again)."""
+    left = await cancel_and_wait(tasks, CANCEL_WAITS_S)
+    if left:
+        log.error("tasks did not stop when cancelled: %s", [task.get_name() for task in left])
