@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 
 from protocol import REQUEST_GROUP
 from protocol.keys import BATCH, INTERACTIVE, UNSHARDED, Shard, ShardLayout
+from protocol.redis_client import reply_text
 from protocol.request_groups import create_request_group
 from worker.step_script import KEEP_LUA
 
@@ -46,10 +47,6 @@ class Entry:
     @property
     def entry_id(self) -> str:
         return self.ref.entry_id
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def is_missing_group(error: ResponseError) -> bool:
@@ -94,13 +91,13 @@ class RequestStream:
         return claimed
 
     def _entry(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None) -> Entry:
-        return Entry(EntryRef(self.lane, _text(entry_id)), fields or {})
+        return Entry(EntryRef(self.lane, reply_text(entry_id)), fields or {})
 
     async def _acknowledge_withdrawn(self) -> None:
         pending = await self.redis.xpending_range(
             self.stream, REQUEST_GROUP, min="-", max="+", count=1000, consumername=self.consumer
         )
-        ids = [_text(item["message_id"]) for item in pending]
+        ids = [reply_text(item["message_id"]) for item in pending]
         pipe = self.redis.pipeline(transaction=False)
         for entry_id in ids:
             pipe.xrange(self.stream, entry_id, entry_id)
@@ -114,7 +111,7 @@ class RequestStream:
         if not entry_ids:
             return []
         lost = await self._keep(keys=[self.stream], args=[REQUEST_GROUP, self.consumer, *entry_ids])
-        return [_text(entry_id) for entry_id in lost]
+        return [reply_text(entry_id) for entry_id in lost]
 
     async def delivery_count(self, entry_id: str) -> int:
         """How many times the entry was delivered (read or claimed); 0 when it is no longer pending."""

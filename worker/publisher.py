@@ -39,7 +39,7 @@ from redis.exceptions import RedisError
 
 from protocol import MAX_MESSAGE_BYTES, REQUEST_GROUP, Reply, encode, encode_progress, error_event
 from protocol.keys import Shard
-from protocol.redis_client import UNREACHABLE
+from protocol.redis_client import UNREACHABLE, reply_text
 from worker.claims import EntryRef, Lane
 from worker.step_script import LUA
 
@@ -214,7 +214,7 @@ class Publisher:
         """`answer` names entries by their position among the step's records (1-based)."""
         refused: set[EntryRef] = set()
         for index in range(0, len(answer), 3):
-            position, status, detail = (_text(part) for part in answer[index : index + 3])
+            position, status, detail = (reply_text(part) for part in answer[index : index + 3])
             entry = entries[int(position) - 1]
             if status == "orphan":
                 log.warning("entry %s is pending for nobody (the group was reset?); its events still go out", entry)
@@ -229,7 +229,3 @@ class Publisher:
             detail = self._too_large.pop(entry, None)
             if detail is not None and entry not in refused:
                 self.on_refused(entry, "too_large", detail)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
