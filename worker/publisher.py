@@ -39,6 +39,7 @@ from redis.exceptions import RedisError
 
 from protocol import MAX_MESSAGE_BYTES, REQUEST_GROUP, Reply, encode, encode_progress, error_event
 from protocol.keys import Shard
+from protocol.progress import TOKEN_BYTES
 from protocol.redis_client import UNREACHABLE, reply_text
 from worker.claims import EntryRef, Lane
 from worker.step_script import LUA
@@ -49,7 +50,6 @@ REPLY_STREAM_MAXLEN = 10_000
 DEAD_LETTER_MAXLEN = 10_000
 KEY_TTL_S = 3600
 RETRY_DELAY_S = 0.5
-TOKEN_BYTES = 4  # progress holds each token id as a little-endian uint32
 BATCH_HEADER_BYTES = 32  # a published batch's map, `v`, `events` and its array header: 18 bytes at most
 MAX_EVENT_BYTES = MAX_MESSAGE_BYTES - BATCH_HEADER_BYTES  # also the most event bytes one PUBLISH carries
 DEAD_LETTER_PREFIX_BYTES = 4096  # of a dead-lettered entry's raw msg: enough to identify it, never a copy of a huge one

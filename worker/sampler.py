@@ -28,8 +28,6 @@ import torch
 from protocol import SamplingParams
 from worker.grammar import GrammarMatcher, apply_token_masks
 
-MAX_LOGPROBS = 20
-
 
 @dataclass
 class TokenLogprob:
