@@ -78,9 +78,8 @@ class RequestTable:
         self.logprob_maps = logprob_maps  # an output's TokenLogprobs as the protocol's maps (worker/logprob_events.py)
         self.running: dict[str, Running] = {}
         self.early_cancels = CancelMemory()  # (request id, token digest) of cancels for requests not started yet
-        self._publishing: dict[
-            EntryRef, RequestSpans
-        ] = {}  # entry -> spans of an ended request until its write is done
+        # entry -> the spans of an ended request, until its last write is done
+        self._publishing: dict[EntryRef, RequestSpans] = {}
 
     def start(self, request: Request, entry: EntryRef, already_streamed: int, prompt_tokens: int) -> None:
         """A request that asks to be announced gets `started` (seq 0) from its first run. A dead worker
