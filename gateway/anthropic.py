@@ -3,6 +3,13 @@
 Content blocks map onto chat messages: `tool_use` blocks become an assistant's tool calls,
 `tool_result` blocks tool messages; a conversation that ends with the assistant's text is that
 answer's beginning (a prefill), continued rather than closed.
+
+Thinking (a thinking model's, gateway/reasoning.py) is off unless the request enables it, as on
+Anthropic's API: `{"type": "enabled", "budget_tokens": N}` lets the template think and the worker
+close the thinking after N tokens; the answer then opens with a `thinking` block (streamed as
+thinking_delta, then a signature_delta) signed by the gateway (gateway/thinking_signature.py).
+A thinking block sent back in the history must carry its signature; it is checked and left out of
+the prompt (the templates drop earlier turns' thinking too).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from aiohttp import web
 import protocol
 from protocol.messages import MAX_TOKENS_LIMIT
 
-from . import sse, tool_calls
+from . import sse, thinking_signature, tool_calls
 from .choices import Choices
 from .context import gateway_of
 from .errors import anthropic_error_body
@@ -53,8 +60,9 @@ COUNT_PARAMS = {"model", "messages", "system", "tools", "tool_choice", "thinking
 # ---------------------------------------------------------------- request bodies
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """`system` (a string or text blocks) and `messages` as protocol chat messages."""
+def parse_messages(body: dict[str, Any], secret: str) -> list[dict[str, Any]]:
+    """`system` (a string or text blocks) and `messages` as protocol chat messages; `secret` checks the
+    signatures of thinking blocks."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty list of messages")
@@ -62,11 +70,11 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if body.get("system") is not None:
         parsed.append({"role": "system", "content": text_content(body["system"], "system")})
     for i, message in enumerate(messages):
-        parsed += _chat_messages(message, f"messages.{i}")
+        parsed += _chat_messages(message, f"messages.{i}", secret)
     return parsed
 
 
-def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
+def _chat_messages(message: Any, where: str, secret: str) -> list[dict[str, Any]]:
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise invalid(f"{where}.role", "must be one of user, assistant")
     role, content = message["role"], message.get("content")
@@ -79,6 +87,8 @@ def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
         at = f"{where}.content.{j}"
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+        elif kind == "thinking" and role == "assistant":
+            _check_signature(block, at, secret)  # verified, then left out: earlier thinking is not shown
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
         elif kind == "tool_result" and role == "user":
@@ -90,11 +100,21 @@ def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
                 }
             )
         else:
-            raise invalid(at, "only text blocks, an assistant's tool_use and a user's tool_result blocks are supported")
+            raise invalid(
+                at,
+                "only text blocks, an assistant's thinking and tool_use and a user's tool_result blocks are supported",
+            )
     text = "\n".join(texts)
     if role == "assistant":
         return [{"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})]
     return results + ([{"role": "user", "content": text}] if texts or not results else [])
+
+
+def _check_signature(block: dict[str, Any], where: str, secret: str) -> None:
+    if not isinstance(block.get("thinking"), str):
+        raise invalid(f"{where}.thinking", "must be the thinking's text")
+    if not thinking_signature.verify(secret, block["thinking"], block.get("signature")):
+        raise invalid(f"{where}.signature", "does not match the thinking: not a block this service wrote, or changed")
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -114,9 +134,27 @@ def continues_answer(messages: list[dict[str, Any]]) -> bool:
 
 
 def refuse_thinking(body: dict[str, Any]) -> None:
+    """For batch items, whose answers are written without the thinking split (yet)."""
     thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
-        raise invalid("thinking", "extended thinking is not supported")
+    if thinking is not None and thinking != {"type": "disabled"}:
+        raise invalid("thinking", "extended thinking is not supported in batches")
+
+
+def parse_thinking(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    """`thinking` as protocol fields. Disabled (the default) tells the template not to think
+    (`enable_thinking: false`, Qwen3's switch) and gives a budget of 0, which closes at once the block
+    of a template that always opens one (QwQ, R1); enabled lets it think for up to `budget_tokens`
+    tokens, fewer than max_tokens as Anthropic requires. A model that does not think answers as usual."""
+    thinking = body.get("thinking")
+    if thinking is None or thinking == {"type": "disabled"}:
+        return {"template_kwargs": {"enable_thinking": False}, "reasoning_budget": 0}
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled" or set(thinking) - {"type", "budget_tokens"}:
+        raise invalid("thinking", 'must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
+    most = MAX_TOKENS_LIMIT if max_tokens is None else max_tokens - 1
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= most:
+        raise invalid("thinking.budget_tokens", f"must be an integer from 1 to max_tokens - 1 ({most})")
+    return {"template_kwargs": {"enable_thinking": True}, "reasoning_budget": budget}
 
 
 def parse_output_format(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -178,6 +216,10 @@ def usage_body(usage: Usage) -> dict[str, int]:
     }
 
 
+def thinking_block(secret: str, thinking: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": thinking, "signature": thinking_signature.sign(secret, thinking)}
+
+
 def tool_use_block(call: ToolCall) -> dict[str, Any]:
     try:
         arguments = json.loads(call.arguments)
@@ -219,23 +261,26 @@ async def messages(request: web.Request) -> web.StreamResponse:
     gateway = gateway_of(request)
     body = await read_json_object(request)
     refuse_unknown(body, MESSAGES_PARAMS)
-    refuse_thinking(body)
     model = await gateway.models.require(required_str(body, "model"))
     sampling = parse_sampling(body, gateway.config.sampling_default_fields)
+    thinking = parse_thinking(body, sampling.max_tokens)
     stream = bool(optional_bool(body, "stream"))
     plan = tool_calls.anthropic_plan(body)
-    chat = parse_messages(body)
+    secret = gateway.config.thinking_secret
+    chat = parse_messages(body, secret)
     request_id = new_request_id("msg_")
     work = new_request(
         gateway, request_id, model, sampling,
         messages=chat, tools=plan.tools, constraint=plan.constraint or parse_output_format(body), continue_final=continues_answer(chat),
+        **thinking,
     )  # fmt: skip
     async with Choices(gateway, [work], "messages") as choices:
         if not stream:
             [(text, _, done)] = await choices.results()
             reader = ToolCallReader(plan, "toolu_")
             content_text = reader.feed(text).text + reader.finish().text
-            content = [{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else []
+            content = [thinking_block(secret, done.reasoning)] if done.reasoning else []
+            content += [{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else []
             content += [tool_use_block(call) for call in reader.calls]
             return web.json_response(
                 message_body(request_id, model, content, done, reader.calls, forced=reader.forced_done)
@@ -244,7 +289,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(
             request,
-            lambda response: relay(response, choices, request_id, work, plan, keepalive),
+            lambda response: relay(response, choices, request_id, work, plan, keepalive, secret),
             anthropic_error_body,
             gateway.metrics.errors,
             "error",
@@ -254,11 +299,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
 class _Blocks:
     """The content blocks of a streamed message, opened as their content arrives and closed in order."""
 
-    def __init__(self, response: web.StreamResponse):
+    def __init__(self, response: web.StreamResponse, secret: str = ""):
         self.response = response
         self.index = -1
-        self.open: str | None = None  # "text" or "tool_use"
+        self.open: str | None = None  # "thinking", "text" or "tool_use"
         self._blank = ""  # whitespace that opens no text block (yet): it may precede a tool call
+        self._secret = secret
+        self._thinking: list[str] = []  # the open thinking block's text, signed when it closes
 
     async def send(self, data: dict[str, Any]) -> None:
         await sse.send(self.response, data, event=data["type"])
@@ -285,7 +332,20 @@ class _Blocks:
                     }
                 )
 
+    async def thinking(self, text: str) -> None:
+        """More of the thinking: it opens the message, in a block of its own."""
+        if self.open != "thinking":
+            await self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self._thinking = []
+        self._thinking.append(text)
+        delta = {"type": "thinking_delta", "thinking": text}
+        await self.send({"type": "content_block_delta", "index": self.index, "delta": delta})
+
     async def close(self) -> None:
+        if self.open == "thinking":
+            signature = thinking_signature.sign(self._secret, "".join(self._thinking))
+            delta = {"type": "signature_delta", "signature": signature}
+            await self.send({"type": "content_block_delta", "index": self.index, "delta": delta})
         if self.open is not None:
             await self.send({"type": "content_block_stop", "index": self.index})
             self.open = None
@@ -309,8 +369,9 @@ async def relay(
     work: protocol.Request,
     plan: ToolPlan,
     keepalive: float,
+    secret: str = "",
 ) -> None:
-    blocks = _Blocks(response)
+    blocks = _Blocks(response, secret)
     reader = ToolCallReader(plan, "toolu_")
     await blocks.send(
         {"type": "message_start", "message": message_body(request_id, work.model, [], None, [], choices.prompt_tokens)}
@@ -322,6 +383,8 @@ async def relay(
             continue
         _, event = item
         if isinstance(event, Delta):
+            if event.reasoning:
+                await blocks.thinking(event.reasoning)
             await blocks.piece(reader.feed(event.text))
             continue
         await blocks.piece(reader.finish())
@@ -344,10 +407,12 @@ async def count_tokens(request: web.Request) -> web.Response:
     refuse_unknown(body, COUNT_PARAMS)
     model = await gateway.models.require(required_str(body, "model"))
     plan = tool_calls.anthropic_plan(body)
-    chat = parse_messages(body)
+    chat = parse_messages(body, gateway.config.thinking_secret)
+    template_kwargs = parse_thinking(body, None)["template_kwargs"]
     work = new_request(
         gateway, new_request_id("count_"), model, protocol.SamplingParams(max_tokens=1),
         messages=chat, tools=plan.tools, continue_final=continues_answer(chat), task="tokenize",
+        template_kwargs=template_kwargs,
     )  # fmt: skip
     async with Generation(gateway, work, "count_tokens", timed=False) as generation:
         _, done = await generation.result()

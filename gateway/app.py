@@ -33,6 +33,7 @@ from .queue import RequestQueue
 from .queue_share import QueueShare, setup_queue_share
 from .rate_limits import RateLimiter, load_limits, setup_rate_limits
 from .replies import ReplyRouter
+from .responses import add_response_routes
 from .sharded_replies import ShardedReplyRouter
 from .workers import ModelRegistry
 
@@ -116,6 +117,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/metrics", status.metrics)
     add_chat_page(app)
     add_batch_routes(app)
+    add_response_routes(app)
     return app
 
 

@@ -44,7 +44,8 @@ def total_usage(dones: list[Done], n: int) -> Usage:
     """As OpenAI counts: each prompt once (the first of its `n` choices, in index order), every choice's completion tokens."""
     firsts = [done.usage for done in dones[::n]]
     completion = sum(done.usage.completion_tokens for done in dones)
-    return Usage(sum(u.prompt_tokens for u in firsts), completion, sum(u.cached_tokens for u in firsts))
+    reasoning = sum(done.usage.reasoning_tokens for done in dones)
+    return Usage(sum(u.prompt_tokens for u in firsts), completion, sum(u.cached_tokens for u in firsts), reasoning)
 
 
 class Choices:

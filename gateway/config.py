@@ -60,6 +60,12 @@ class GatewayConfig:
         default=10.0,
         metadata={"help": "seconds a write may wait for a client that stopped reading before its stream is cut"},
     )
+    thinking_secret: str = field(
+        default="",
+        metadata={
+            "help": "signs Anthropic thinking blocks (HMAC-SHA256) so they verify when clients send them back; the same on every gateway; empty = a random one per gateway process"
+        },
+    )
     rate_limit_requests: int = field(
         default=0,
         metadata={
@@ -84,6 +90,10 @@ class GatewayConfig:
     )
     batch_window_seconds: float = field(
         default=86_400.0, metadata={"help": "seconds a batch may take before its unfinished items expire (`24h`)"}
+    )
+    response_ttl: float = field(
+        default=86_400.0,
+        metadata={"help": "seconds a stored Responses API response (`store`, the default) is kept after it ends"},
     )
     gateway_id: str = field(
         default_factory=lambda: uuid.uuid4().hex[:12],

@@ -8,6 +8,10 @@
 A worker's `error` event, a request no worker started within `pickup_timeout`, and one past its
 deadline all raise ApiError. Leaving the block before the `done` (the client went away, or an
 error) withdraws the request: deleted from the stream if no worker read it yet, else cancelled.
+
+A thinking model's answer comes split (gateway/reasoning.py): `Delta.text` is the answer's text and
+`Delta.reasoning` the thinking's, as they stream; `Done.reasoning` is the whole thinking and
+`Done.usage.reasoning_tokens` its tokens. For a model that does not think, reasoning is "" and 0.
 """
 
 from __future__ import annotations
@@ -29,15 +33,17 @@ from protocol.tracing import traceparent, tracer
 from . import access_log, rate_limits
 from .context import Gateway
 from .errors import ApiError
+from .reasoning import Split, Thinking
 from .replies import AlreadyOpen
 from .token_order import token_gap
 
 
 @dataclass(frozen=True)
 class Delta:
-    text: str
+    text: str  # the answer's text (a thinking model's thinking is in `reasoning`)
     token_ids: list[int]
     logprobs: list[dict[str, Any]] | None = None  # per token, when the request asked (protocol `delta`)
+    reasoning: str = ""  # the thinking's text in this delta
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0  # of completion_tokens, those of the thinking
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class Done:
     stop_sequence: str | None
     usage: Usage
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # a task's answer: prompt_ids, pieces, text
+    reasoning: str = ""  # the whole thinking of a thinking model's answer
 
 
 def new_request_id(prefix: str) -> str:
@@ -106,6 +114,8 @@ class Generation:
         self._started = False  # some event came: a worker holds the request
         self._held: dict[str, Any] | None = None  # an event read by admitted(), still to be yielded
         self.prompt_tokens = 0  # from the worker's `started` event
+        self.thinking = Thinking()  # splits a thinking model's deltas (the `started` event says whether)
+        self._tail = Split()  # text the split held back until the end
         self._tokens_relayed = 0
         self._finished = False
         self._cancel_token = secrets.token_hex(
@@ -165,7 +175,7 @@ class Generation:
             if event is None:
                 return False
             if event["type"] == "started":
-                self.prompt_tokens = int(event.get("prompt_tokens", 0))
+                self._on_started(event)
                 return True
             self._held = event  # a worker that sends no `started` (an older one): its first event admits
             if event["type"] == "error":
@@ -180,13 +190,16 @@ class Generation:
                 if event is None:
                     yield None
                 elif event["type"] == "started":
-                    self.prompt_tokens = int(event.get("prompt_tokens", 0))
+                    self._on_started(event)
                 elif event["type"] == "delta":
                     delta = self._accept_delta(event)
                     if delta is not None:
                         yield delta
                 elif event["type"] == "done":
-                    yield self._finish(event)
+                    done = self._finish(event)
+                    if self._tail.content or self._tail.reasoning:
+                        yield Delta(text=self._tail.content, token_ids=[], reasoning=self._tail.reasoning)
+                    yield done
                     return
                 elif event["type"] == "error":
                     self._finished = True
@@ -209,6 +222,10 @@ class Generation:
             elif isinstance(event, Done):
                 return "".join(texts), logprobs, event
         raise AssertionError("events() ends only after a Done or an error")
+
+    def _on_started(self, event: dict[str, Any]) -> None:
+        self.prompt_tokens = int(event.get("prompt_tokens", 0))
+        self.thinking.started(event)
 
     def _worker_error(self, event: dict[str, Any]) -> ApiError:
         return ApiError.from_worker(str(event.get("code")), str(event.get("message")))
@@ -261,10 +278,12 @@ class Generation:
             self.span.add_event("first_token")
             self._first_token_at = time.monotonic()
         logprobs = event.get("logprobs")
+        piece = self.thinking.feed(str(event.get("text", "")), len(token_ids))
         return Delta(
-            text=str(event.get("text", "")),
+            text=piece.content,
             token_ids=token_ids,
             logprobs=logprobs if isinstance(logprobs, list) else None,
+            reasoning=piece.reasoning,
         )
 
     def _finish(self, event: dict[str, Any]) -> Done:
@@ -275,6 +294,7 @@ class Generation:
         completion_tokens = int(usage.get("completion_tokens", 0))
         if (gap := token_gap(event, self._tokens_relayed)) > 0:
             raise _lost(gap)
+        self._tail = self.thinking.finish()
         done = Done(
             finish_reason=str(event.get("finish_reason")),
             stop_sequence=event.get("stop_sequence"),
@@ -283,7 +303,9 @@ class Generation:
                 prompt_tokens=int(usage.get("prompt_tokens", 0)),
                 completion_tokens=completion_tokens,
                 cached_tokens=int(usage.get("cached_tokens", 0)),
+                reasoning_tokens=self.thinking.tokens,
             ),
+            reasoning=self.thinking.text,
         )
         self.prompt_tokens = done.usage.prompt_tokens or self.prompt_tokens  # a worker that sent no `started`
         self.metrics.done(done.finish_reason, done.usage.prompt_tokens, done.usage.completion_tokens)

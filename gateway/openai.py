@@ -63,7 +63,8 @@ IGNORED = (
     "store",
 )  # hints with no effect on the answer
 CHAT_PARAMS = {"model", "messages", "stream", "stream_options", "max_completion_tokens", "logprobs", "top_logprobs",
-               "response_format", "tools", "tool_choice", "parallel_tool_calls", *SAMPLING, *EXTENSIONS, *IGNORED}  # fmt: skip
+               "response_format", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort",
+               "chat_template_kwargs", *SAMPLING, *EXTENSIONS, *IGNORED}  # fmt: skip
 COMPLETION_PARAMS = {
     "model",
     "prompt",
@@ -76,6 +77,9 @@ COMPLETION_PARAMS = {
     *EXTENSIONS,
     *IGNORED,
 }
+
+# The thinking budget (tokens) each `reasoning_effort` means; "none" turns thinking off.
+REASONING_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
 
 # ---------------------------------------------------------------- request bodies
 
@@ -150,6 +154,22 @@ def parse_response_format(body: dict[str, Any]) -> dict[str, Any] | None:
             raise invalid("response_format.json_schema.schema", "must be a JSON Schema object")
         return {"type": "json_schema", "schema": schema}
     raise invalid("response_format.type", 'must be "text", "json_object" or "json_schema"')
+
+
+def parse_reasoning(body: dict[str, Any]) -> dict[str, Any]:
+    """`reasoning_effort` and `chat_template_kwargs` as protocol fields. The template decides whether a
+    model thinks; an effort is a budget the worker enforces (REASONING_BUDGETS), and "none" also tells
+    the template not to think (`enable_thinking: false`, which Qwen3's reads) with a budget of 0, so a
+    template that always opens the block (QwQ, R1) has it closed at once."""
+    template_kwargs = optional_object(body, "chat_template_kwargs") or None
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return {"template_kwargs": template_kwargs}
+    if effort == "none":
+        return {"template_kwargs": {"enable_thinking": False, **(template_kwargs or {})}, "reasoning_budget": 0}
+    if effort not in REASONING_BUDGETS:
+        raise invalid("reasoning_effort", f'must be "none" or one of {", ".join(REASONING_BUDGETS)}')
+    return {"template_kwargs": template_kwargs, "reasoning_budget": REASONING_BUDGETS[effort]}
 
 
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -257,6 +277,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     work = new_request(
         gateway, request_id, model, sampling,
         messages=parse_messages(body), tools=plan.tools, constraint=constraint, logprobs=top_logprobs,
+        **parse_reasoning(body),
     )  # fmt: skip
     shape = ChatShape(request_id, model, streaming.include_usage, top_logprobs)
     async with Choices(gateway, choice_requests([work], n), shape.api) as choices:
@@ -310,7 +331,7 @@ async def complete_chat(choices: Choices, shape: ChatShape, plan: ToolPlan) -> d
     for text, logprobs, done in results:
         reader = ToolCallReader(plan)
         content = reader.feed(text).text + reader.finish().text
-        bodies.append((content, logprobs, reader.calls, finish_reason(done, reader.calls)))
+        bodies.append((content, logprobs, reader.calls, finish_reason(done, reader.calls), done.reasoning))
     return shape.complete(bodies, total_usage([done for _, _, done in results], len(results)))
 
 
@@ -328,7 +349,7 @@ async def relay_chat(
         index, event = item
         reader = readers[index]
         if isinstance(event, Delta):
-            for chunk in shape.piece_chunks(index, reader.feed(event.text), event.logprobs):
+            for chunk in shape.piece_chunks(index, reader.feed(event.text), event.logprobs, event.reasoning):
                 await sse.send(response, chunk)
             continue
         for chunk in shape.piece_chunks(index, reader.finish(), None):

@@ -20,6 +20,7 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -60,26 +61,30 @@ class ChatShape(_Shape):
     api = "chat_completions"  # in metrics
 
     def complete(
-        self, choices: list[tuple[str, list[dict[str, Any]], list[ToolCall], str]], usage: Usage
+        self, choices: list[tuple[str, list[dict[str, Any]], list[ToolCall], str, str]], usage: Usage
     ) -> dict[str, Any]:
-        """choices: (content, logprobs, tool calls, finish reason) per choice."""
+        """choices: (content, logprobs, tool calls, finish reason, reasoning) per choice."""
         bodies = [
             {
                 "index": index,
-                "message": _message(text, calls),
+                "message": _message(text, calls, reasoning),
                 "logprobs": self._logprobs(logprobs),
                 "finish_reason": reason,
             }
-            for index, (text, logprobs, calls, reason) in enumerate(choices)
+            for index, (text, logprobs, calls, reason, reasoning) in enumerate(choices)
         ]
         return self._envelope("chat.completion", bodies) | {"usage": usage_body(usage)}
 
     def first_chunk(self, index: int) -> dict[str, Any]:
         return self._chunk(self._delta(index, {"role": "assistant", "content": ""}, None))
 
-    def piece_chunks(self, index: int, piece: Piece, logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-        """The chunks of one delta: its text (with the delta's logprobs), then tool-call fragments."""
+    def piece_chunks(
+        self, index: int, piece: Piece, logprobs: list[dict[str, Any]] | None, reasoning: str = ""
+    ) -> list[dict[str, Any]]:
+        """The chunks of one delta: its thinking, its text (with the delta's logprobs), then tool-call fragments."""
         chunks = []
+        if reasoning:
+            chunks.append(self._chunk(self._delta(index, _reasoning(reasoning), None)))
         if piece.text or logprobs:
             chunks.append(self._chunk(self._delta(index, {"content": piece.text}, None, logprobs)))
         started = {call.index for call in piece.started}
@@ -111,8 +116,16 @@ class ChatShape(_Shape):
         return {"content": [_chat_token(entry, self.top_logprobs) for entry in logprobs], "refusal": None}
 
 
-def _message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
+def _reasoning(text: str) -> dict[str, str]:
+    """A thinking model's thinking under both names clients read: llama-server's and DeepSeek's
+    `reasoning_content`, vLLM's newer `reasoning`."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
+def _message(text: str, calls: list[ToolCall], reasoning: str = "") -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if reasoning:
+        message |= _reasoning(reasoning)
     if calls:
         message["content"] = text.strip() or None
         message["tool_calls"] = [

@@ -53,6 +53,9 @@ LMQ_NAMESPACE = "lmq:"
 _LMQ_REPLY = re.compile(r"^lmq:(\{[^{}]+\}:)?(reply:.+|batch:[A-Za-z0-9_\-]+:reply:[0-9]+\.[0-9]+)$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
+MAX_TEMPLATE_KWARGS = 32
+_TEMPLATE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+TEMPLATE_NAMES_SET_BY_WORKER = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "documents")
 MIN_TOKEN_CHARS = 16  # a cancel token short enough to guess would protect nothing
 
 
@@ -105,6 +108,9 @@ class Request:
     continue_final: bool = False  # continue the last (assistant) message instead of starting a new turn
     announce: bool = False  # send a `started` event when a worker admits the request
     cancel_digest: str | None = None  # hex SHA-256 of the token a cancel must present (see cancel_digest())
+    # Thinking models: the most tokens a thinking block may hold before the worker closes it (0: at once).
+    reasoning_budget: int | None = None
+    template_kwargs: dict[str, Any] | None = None  # extra chat-template variables, e.g. {"enable_thinking": False}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -381,7 +387,37 @@ def _parse_request_body(data: dict[str, Any], request_id: str, reply: Reply) -> 
         continue_final=_bool(data, "continue_final", False),
         announce=_bool(data, "announce", False),
         cancel_digest=_digest(data.get("cancel_digest")),
+        reasoning_budget=_int(data, "reasoning_budget", None, 0, MAX_TOKENS_LIMIT),
+        template_kwargs=_template_kwargs(data.get("template_kwargs")),
     )
+
+
+def _template_kwargs(value: Any) -> dict[str, Any] | None:
+    """Variables for the chat template beside the ones the worker sets: names, and plain values."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
+        raise _fail("template_kwargs", f"must be a map of at most {MAX_TEMPLATE_KWARGS} template variables")
+    for name, item in value.items():
+        if not isinstance(name, str) or not _TEMPLATE_NAME.match(name):
+            raise _fail("template_kwargs", f"{name!r} is not a variable name (a letter, then letters, digits, _)")
+        if name in TEMPLATE_NAMES_SET_BY_WORKER:
+            raise _fail(f"template_kwargs.{name}", "is set by the worker")
+        if not _plain(item, depth=4):
+            raise _fail(f"template_kwargs.{name}", "must be nil, a bool, number or string, or lists and maps of them")
+    return value
+
+
+def _plain(value: Any, depth: int) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if depth == 0:
+        return False
+    if isinstance(value, list):
+        return all(_plain(item, depth - 1) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _plain(item, depth - 1) for key, item in value.items())
+    return False
 
 
 def _choice(data: dict, name: str, choices: tuple[str, ...], default: str) -> str:
@@ -431,9 +467,16 @@ def _add_address(error: ProtocolError, data: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- events (worker → reply address)
 
 
-def started_event(request_id: str, seq: int, prompt_tokens: int) -> dict[str, Any]:
-    """A worker admitted the request (its prompt fits, its parameters are valid): generation follows."""
-    return {"v": VERSION, "type": "started", "id": request_id, "seq": seq, "prompt_tokens": prompt_tokens}
+def started_event(
+    request_id: str, seq: int, prompt_tokens: int, reasoning: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A worker admitted the request (its prompt fits, its parameters are valid): generation follows.
+    `reasoning` ({start, end, open}) when the answer may think: the tags around its thinking, and
+    whether the prompt already opened the block (docs/protocol.md)."""
+    event = {"v": VERSION, "type": "started", "id": request_id, "seq": seq, "prompt_tokens": prompt_tokens}
+    if reasoning is not None:
+        event["reasoning"] = reasoning
+    return event
 
 
 def delta_event(

@@ -13,6 +13,8 @@ the conversation before it is rendered:
   assistant's earlier calls are written out in that format and tool results become user turns
   wrapped in `<tool_response>`. The gateway reads tool calls back in the same format.
 
+`template_kwargs`: a request's own template variables beside these (Qwen3's `enable_thinking`).
+
 `continue_final`: the last message is an assistant's unfinished answer (an Anthropic prefill): the
 text ends right after its content, with no end-of-turn, so the model continues it.
 """
@@ -40,18 +42,20 @@ def render_chat(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     continue_final: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     template = model.chat_template
+    extra = template_kwargs or {}  # the request's own template variables (enable_thinking, ...)
     messages = [_as_template_message(message) for message in messages]
     if tools and not template_knows_tools(template.source):
         messages, tools = _describe_tools_in_prompt(messages, tools), None
     if continue_final and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
         messages, continue_final = messages[:-1], False  # nothing to continue: a new answer
     if not continue_final:
-        return template.render(messages, add_generation_prompt=True, tools=tools or None)
+        return template.render(messages, add_generation_prompt=True, tools=tools or None, **extra)
     if messages[-1]["role"] != "assistant":
         raise ValueError("continue_final: the last message must be the assistant's answer to continue")
-    text = template.render(messages, add_generation_prompt=False, tools=tools or None)
+    text = template.render(messages, add_generation_prompt=False, tools=tools or None, **extra)
     return _cut_after_last_content(text, messages[-1]["content"])
 
 

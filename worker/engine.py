@@ -28,6 +28,7 @@ from worker.detok import IncrementalDetokenizer, StopStrings, text_state
 from worker.grammar import GrammarCompiler
 from worker.model.loader import LoadedModel
 from worker.prompt import PromptTooLong
+from worker.reasoning_budget import Thinking, budget_for
 from worker.runtime.backend import StepBackend
 from worker.runtime.select import select_backend
 from worker.sampler import Sampled, SamplingState, TokenLogprob, sample
@@ -51,6 +52,9 @@ class GenRequest:
     # How many alternatives to report with each token's logprob (0..20); None: no logprobs.
     logprobs: int | None = None
     priority: str = "interactive"  # or "batch": scheduled on spare capacity (worker/scheduler.py)
+    # A thinking prompt (worker/reasoning_budget.py) and the most tokens its thinking may take (None: no limit).
+    thinking: Thinking | None = None
+    reasoning_budget: int | None = None
 
 
 @dataclass
@@ -292,6 +296,7 @@ class Engine:
             device=self.backend.device,
             grammar=grammar,
             logprobs=request.logprobs,
+            budget=budget_for(self.model, request.thinking, request.reasoning_budget, request.generated_ids),
         )
         detok, stops = text_state(self.model.tokenizer, request.prompt_ids, request.generated_ids, params.stop)
         return _Active(request, seq, sampling, detok, stops, stop_ids)

@@ -17,6 +17,9 @@ A constraint is a plain dict, as the protocol carries it:
     {"type": "regex", "pattern": "..."}           text the (Rust-syntax) regex matches in full
     {"type": "lark", "grammar": "..."}            llguidance's Lark dialect; `%json {...}` embeds a
                                                   schema as a rule (see `lark_json`)
+    {"type": "tool_calls", "tools": [...],        one tool call in the Hermes format (worker/chat_render.py),
+     "parallel": true}                            or several; a call repeating an earlier one ends the
+                                                  output (worker/tool_call_repeats.py)
 
 A bad schema or grammar raises ValueError with llguidance's explanation. EOS (the model's stop
 tokens) is allowed only where the grammar may end; a grammar that can go no further (the closing
@@ -36,6 +39,7 @@ import torch
 from tokenizers import Tokenizer
 
 from worker.token_bytes import token_bytes
+from worker.tool_call_repeats import RepeatWatch
 
 __all__ = ["GrammarCompiler", "GrammarMatcher", "JSON_OPTIONS", "apply_token_masks", "lark_json"]
 
@@ -68,8 +72,12 @@ def grammar_source(constraint: dict) -> str:
     if not isinstance(constraint, dict):
         raise ValueError("a constraint is an object with a 'type'")
     kind = constraint.get("type")
+    if kind == "tool_calls":  # the format is the chat renderer's, which shows the model the tools
+        from worker.chat_render import tool_calls_grammar
+
+        return grammar_source(tool_calls_grammar(constraint["tools"], constraint.get("parallel", True)))
     if kind not in CONSTRAINT_KEYS:
-        raise ValueError(f"constraint type must be one of {sorted(CONSTRAINT_KEYS)}, not {kind!r}")
+        raise ValueError(f"constraint type must be one of {sorted(CONSTRAINT_KEYS)} or tool_calls, not {kind!r}")
     extra = set(constraint) - CONSTRAINT_KEYS[kind] - {"type"}
     missing = CONSTRAINT_KEYS[kind] - set(constraint)
     if extra or missing:
@@ -95,6 +103,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.token_bytes = token_bytes(tokenizer)
         self.llg_tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_Vocabulary(tokenizer, vocab_size, self.stop_token_ids))
         )
@@ -108,7 +117,8 @@ class GrammarCompiler:
 
     def matcher(self, constraint: dict, replay: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher for one sequence, advanced over `replay` (tokens an earlier run generated)."""
-        matcher = GrammarMatcher(self, self._pristine(constraint).deep_copy())
+        watch = RepeatWatch(self.token_bytes) if constraint.get("type") == "tool_calls" else None
+        matcher = GrammarMatcher(self, self._pristine(constraint).deep_copy(), watch)
         for token in replay:
             if not matcher.consume(token):
                 break
@@ -153,18 +163,25 @@ class GrammarCompiler:
 class GrammarMatcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, compiler: GrammarCompiler, matcher: llguidance.LLMatcher) -> None:
+    def __init__(
+        self, compiler: GrammarCompiler, matcher: llguidance.LLMatcher, repeats: RepeatWatch | None = None
+    ) -> None:
         self.compiler = compiler
         self._matcher = matcher
+        self._repeats = repeats  # tool calls: a repeated call ends the output
 
     def consume(self, token_id: int) -> bool:
         """Advance over a sampled token; False (and `error` set) if the grammar forbids it."""
+        if self._repeats is not None:
+            self._repeats.push(token_id)
         return self._matcher.consume_token(token_id)
 
     @property
     def finished(self) -> bool:
-        """Complete: nothing can follow (the stop token, if one was sampled, is consumed)."""
-        return self._matcher.is_stopped() and not self._matcher.is_error()
+        """Complete: nothing can follow (the stop token, if one was sampled, is consumed), or a tool
+        call just repeated an earlier one."""
+        repeated = self._repeats is not None and self._repeats.repeated
+        return (repeated or self._matcher.is_stopped()) and not self._matcher.is_error()
 
     @property
     def error(self) -> str | None:

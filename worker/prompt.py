@@ -31,6 +31,7 @@ def build_prompt_ids(
     truncate: bool,
     tools: list[dict[str, Any]] | None = None,
     continue_final: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     context = model.config.max_context
     limit = context - max_tokens
@@ -39,7 +40,7 @@ def build_prompt_ids(
             f"max_tokens {max_tokens} leaves no room for a prompt in the model's context of {context} tokens"
         )
     if messages is not None:
-        render = functools.partial(_render, tools=tools, continue_final=continue_final)
+        render = functools.partial(_render, tools=tools, continue_final=continue_final, template_kwargs=template_kwargs)
         ids = render(model, messages)
         if len(ids) > limit and truncate:
             ids = _truncate_messages(model, messages, limit, render)
@@ -64,9 +65,13 @@ def build_prompt_ids(
 
 
 def _render(
-    model: LoadedModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, continue_final: bool
+    model: LoadedModel,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    continue_final: bool,
+    template_kwargs: dict[str, Any] | None,
 ) -> list[int]:
-    text = render_chat(model, messages, tools, continue_final)
+    text = render_chat(model, messages, tools, continue_final, template_kwargs)
     return model.tokenizer.encode(text, add_special_tokens=False).ids
 
 

@@ -1,10 +1,12 @@
-"""One batched sampling pipeline: logit bias → penalties → grammar mask → temperature → top-k/top-p/min-p → draw.
+"""One batched sampling pipeline: logit bias → penalties → grammar mask → thinking budget → temperature → top-k/top-p/min-p → draw.
 
 Each row's result depends only on its own logits and its own state: a seeded request draws from
 its own torch.Generator, so it samples the same tokens alone or in any batch. Temperature 0 is
 argmax. A row with a grammar (worker/grammar.py) has the tokens its grammar forbids set to -inf
 before temperature and the filters, so the filters renormalize among allowed tokens; greedy rows
-are masked too. Rows without a grammar, bias, penalties or logprobs cost nothing extra.
+are masked too. A row whose thinking budget is spent (worker/reasoning_budget.py) then has one
+token left, the next of the block's closing tag. Rows without a grammar, budget, bias, penalties or
+logprobs cost nothing extra.
 
 Logprobs, for the rows that ask, describe the distribution the token was actually drawn from:
 
@@ -27,6 +29,7 @@ import torch
 
 from protocol import SamplingParams
 from worker.grammar import GrammarMatcher, apply_token_masks
+from worker.reasoning_budget import ThinkingBudget
 
 
 @dataclass
@@ -57,9 +60,11 @@ class SamplingState:
         device: torch.device,
         grammar: GrammarMatcher | None = None,
         logprobs: int | None = None,
+        budget: ThinkingBudget | None = None,
     ) -> None:
         self.params = params
         self.grammar = grammar
+        self.budget = budget  # a thinking budget: forces the block's close once spent
         self.logprobs = logprobs  # how many alternatives to report; None: no logprobs
         self.greedy = params.temperature == 0
         self.generator: torch.Generator | None = None
@@ -78,12 +83,16 @@ class SamplingState:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self.seen[_ids([*prompt_ids, *generated_ids], device)] = True
         self.adjusts_logits = self.bias_ids is not None or self.output_counts is not None or self.seen is not None
-        self.plain_argmax = self.greedy and not self.adjusts_logits and grammar is None and logprobs is None
+        self.plain_argmax = (
+            self.greedy and not self.adjusts_logits and grammar is None and logprobs is None and budget is None
+        )
 
     def record(self, token_id: int) -> None:
         """Count a newly sampled token for the penalties; advance the grammar over it."""
         if self.grammar is not None:
             self.grammar.consume(token_id)
+        if self.budget is not None:
+            self.budget.record(token_id)
         if self.output_counts is not None:
             self.output_counts[token_id] += 1
         if self.seen is not None:
@@ -116,6 +125,11 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> Sampled:
     constrained = [row for row, state in enumerate(states) if state.grammar is not None]
     if constrained:
         apply_token_masks(logits, constrained, [states[row].grammar for row in constrained])
+    for row, state in enumerate(states):
+        forced = state.budget.forced() if state.budget is not None else None
+        if forced is not None:  # the thinking budget is spent: its close is the only token left
+            logits[row].fill_(float("-inf"))
+            logits[row, forced] = 0.0
     tokens = logits.argmax(dim=-1)
     reports = _Reports()
     for row, state in enumerate(states):

@@ -32,7 +32,6 @@ from protocol.cluster_url import shard_layout
 from protocol.keys import BATCH, INTERACTIVE
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from worker import compute_thread
-from worker.chat_render import tool_calls_grammar
 from worker.claims import Entry, EntryRef, RequestStreams, is_missing_group, model_lanes
 from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
@@ -42,6 +41,7 @@ from worker.metrics import WorkerMetrics
 from worker.model.loader import LoadedModel, load_model
 from worker.prompt import PromptTooLong, build_prompt_ids
 from worker.publisher import Publisher
+from worker.reasoning_budget import thinking_of
 from worker.tasks import answer_task
 from worker.tracking import RequestTable
 
@@ -347,21 +347,22 @@ class Worker:
             truncate=request.truncate,
             tools=request.tools,
             continue_final=request.continue_final,
+            template_kwargs=request.template_kwargs,
         )
-        constraint = request.constraint
-        if constraint is not None and constraint["type"] == "tool_calls":
-            constraint = tool_calls_grammar(constraint["tools"], constraint.get("parallel", True))
+        thinking = thinking_of(self.model, prompt_ids) if request.messages is not None else None
         work = GenRequest(
             request.id,
             prompt_ids,
             request.sampling,
             generated_ids=streamed,
-            constraint=constraint,
+            constraint=request.constraint,
             logprobs=request.logprobs,
             priority=request.priority,
+            thinking=thinking,
+            reasoning_budget=request.reasoning_budget,
         )
         self.engine.add(work)
-        self.table.start(request, entry, len(streamed), len(prompt_ids))
+        self.table.start(request, entry, len(streamed), len(prompt_ids), thinking)
         resumed = f", resuming after {len(streamed)} streamed tokens" if streamed else ""
         log.info(
             "request_id=%s started: %d prompt tokens%s",

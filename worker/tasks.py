@@ -48,7 +48,7 @@ def answer_task(model: LoadedModel, request: Request) -> dict[str, Any]:
 
 def _tokenize(model: LoadedModel, request: Request) -> list[int]:
     if request.messages is not None:
-        text = render_chat(model, request.messages, request.tools, request.continue_final)
+        text = render_chat(model, request.messages, request.tools, request.continue_final, request.template_kwargs)
         return model.tokenizer.encode(text, add_special_tokens=False).ids
     if request.prompt is not None:
         return model.tokenizer.encode(request.prompt, add_special_tokens=True).ids

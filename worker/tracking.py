@@ -26,6 +26,7 @@ from worker.cancel_memory import CancelMemory
 from worker.claims import EntryRef
 from worker.engine import SeqOutput
 from worker.publisher import Publisher
+from worker.reasoning_budget import Thinking
 from worker.request_spans import RequestSpans
 
 log = logging.getLogger(__name__)
@@ -81,14 +82,23 @@ class RequestTable:
         # entry -> the spans of an ended request, until its last write is done
         self._publishing: dict[EntryRef, RequestSpans] = {}
 
-    def start(self, request: Request, entry: EntryRef, already_streamed: int, prompt_tokens: int) -> None:
-        """A request that asks to be announced gets `started` (seq 0) from its first run. A dead worker
-        sent that and at most one delta per streamed token, so a re-run's seq numbers start above them."""
+    def start(
+        self,
+        request: Request,
+        entry: EntryRef,
+        already_streamed: int,
+        prompt_tokens: int,
+        thinking: Thinking | None = None,
+    ) -> None:
+        """A request that asks to be announced gets `started` (seq 0) from its first run, saying how its
+        answer thinks, if it does. A dead worker sent that and at most one delta per streamed token, so
+        a re-run's seq numbers start above them."""
         spans = RequestSpans(request, entry.entry_id, self.publisher.consumer, already_streamed)
         first_seq = already_streamed + 1 if request.announce else already_streamed
         self.running[request.id] = Running(request, entry, next_seq=first_seq, streamed=already_streamed, spans=spans)
         if request.announce and not already_streamed:
-            self.publisher.send(entry, request.reply, started_event(request.id, 0, prompt_tokens))
+            reasoning = thinking.event_field() if thinking is not None else None
+            self.publisher.send(entry, request.reply, started_event(request.id, 0, prompt_tokens, reasoning))
         if self.early_cancels.take((request.id, request.cancel_digest)):
             self.end(request.id, Ending.CANCELLED)
 

@@ -52,6 +52,7 @@ def _chat_request(gateway: Gateway, body: dict[str, Any], request_id: str) -> pr
         gateway, request_id, model, openai.parse_sampling(body, gateway.config),
         messages=openai.parse_messages(body), tools=plan.tools,
         constraint=plan.constraint or openai.parse_response_format(body), logprobs=openai.parse_chat_logprobs(body),
+        **openai.parse_reasoning(body),
     )  # fmt: skip
 
 
@@ -77,10 +78,11 @@ def _message_request(gateway: Gateway, body: dict[str, Any], request_id: str) ->
     model = required_str(body, "model")
     sampling = anthropic.parse_sampling(body, gateway.config.sampling_default_fields)
     plan = tool_calls.anthropic_plan(body)
-    chat = anthropic.parse_messages(body)
+    chat = anthropic.parse_messages(body, gateway.config.thinking_secret)
     return new_request(
         gateway, request_id, model, sampling,
         messages=chat, tools=plan.tools, constraint=plan.constraint, continue_final=anthropic.continues_answer(chat),
+        **anthropic.parse_thinking(body, sampling.max_tokens),  # thinking off, as on the live endpoint
     )  # fmt: skip
 
 

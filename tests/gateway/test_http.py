@@ -161,7 +161,11 @@ async def test_a_request_over_the_protocol_limits_is_413(redis_url, redis_client
         {"system": 5},
         {"messages": [{"role": "system", "content": "hi"}]},
         {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-        {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+        {"thinking": {"type": "enabled"}},
+        {"thinking": {"type": "enabled", "budget_tokens": 1 << 20}},  # not fewer than max_tokens
+        {"thinking": {"type": "adaptive"}},
+        {"messages": [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
+        {"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "x"}]}]},
         {"container": "c1"},
         {"tool_choice": {"type": "any"}},
         {"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}},

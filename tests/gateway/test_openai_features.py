@@ -381,15 +381,18 @@ async def test_a_required_call_on_the_real_model_has_no_content(redis_url, defau
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=[tool],
         tool_choice="required",
-        max_tokens=96,
+        max_tokens=200,
         temperature=0,
     )
     async with real_worker(redis_url, default_model, kv_memory="64MiB"), running_gateway(redis_url) as url:
-        answer = await openai.AsyncOpenAI(
-            base_url=url + "/v1", api_key="unused", max_retries=0
-        ).chat.completions.create(**ask)
-    choice = answer.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert not choice.message.content
-    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
-    assert calls and len(calls) == len(set(calls))
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        answers = [
+            await client.chat.completions.create(**ask),
+            await client.chat.completions.create(**ask, parallel_tool_calls=False),
+        ]
+    for answer, longest in zip(answers, [100, 40]):  # one call is some 35 tokens: the output ended
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert not choice.message.content
+        assert [call.function.name for call in choice.message.tool_calls] == ["get_weather"]
+        assert answer.usage.completion_tokens < longest

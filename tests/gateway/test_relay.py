@@ -99,6 +99,7 @@ async def test_chat_stream_with_include_usage_ends_with_a_usage_chunk(gateway_ur
         "completion_tokens": 4,
         "total_tokens": 13,
         "prompt_tokens_details": {"cached_tokens": 4},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 

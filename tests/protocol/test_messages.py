@@ -266,3 +266,25 @@ def test_a_heartbeat_missing_a_field_is_refused():
     with pytest.raises(ProtocolError):
         protocol.Heartbeat.decode(msgpack.packb({k: v for k, v in GOOD_BEAT.items() if k != "capacity"}))
     assert protocol.Heartbeat.decode(msgpack.packb(GOOD_BEAT)).model == "m"
+
+
+def test_thinking_fields_are_optional_and_checked_by_name():
+    parsed = protocol.parse_request(request(reasoning_budget=0, template_kwargs={"enable_thinking": False, "x": [1]}))
+    assert (parsed.reasoning_budget, parsed.template_kwargs) == (0, {"enable_thinking": False, "x": [1]})
+    assert protocol.parse_request(request()).reasoning_budget is None  # an older producer's request
+    for bad, field in [
+        ({"reasoning_budget": -1}, "reasoning_budget"),
+        ({"template_kwargs": []}, "template_kwargs"),
+        ({"template_kwargs": {"tools": []}}, "template_kwargs.tools"),  # the worker sets it
+        ({"template_kwargs": {"_secret": 1}}, "template_kwargs"),
+        ({"template_kwargs": {"x": b"bytes"}}, "template_kwargs.x"),
+    ]:
+        with pytest.raises(ProtocolError, match=field) as error:
+            protocol.parse_request(request(**bad))
+        assert error.value.code == "bad_request"
+
+
+def test_a_started_event_says_how_the_answer_thinks():
+    tags = {"start": "<think>", "end": "</think>", "open": True}
+    assert protocol.started_event("r", 0, 5, tags)["reasoning"] == tags
+    assert "reasoning" not in protocol.started_event("r", 0, 5)

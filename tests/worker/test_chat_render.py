@@ -91,3 +91,21 @@ def test_the_tool_calls_grammar_compiles_and_admits_a_hermes_call(tiny):
         wrong_tool.consume(i)
         for i in tiny.tokenizer.encode('<tool_call>\n{"name": "other"', add_special_tokens=False).ids
     )
+
+
+def test_a_tool_calls_constraint_may_end_after_each_call_and_ends_at_a_repeated_one(tiny):
+    # issue 29: under `required` with parallel calls the output could only go on, call after call, to max_tokens.
+    compiler = GrammarCompiler(tiny.tokenizer, vocab_size=tiny.config.vocab_size, stop_token_ids=tiny.stop_token_ids)
+    paris = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    rome = paris.replace("Paris", "Rome")
+
+    def after(text: str, parallel: bool = True):
+        constraint = {"type": "tool_calls", "tools": [TOOL], "parallel": parallel}
+        return compiler.matcher(constraint, tiny.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    for text in (paris, paris + rome):  # each complete call may end the answer, or another may follow
+        matcher = after(text)
+        assert matcher.error is None and not matcher.finished
+        assert matcher.consume(min(tiny.stop_token_ids)) and matcher.finished
+    assert after(paris + paris.rstrip("\n")).finished  # the same call again: the output ends there
+    assert after(paris, parallel=False).finished  # one call only: it ends after that call

@@ -1,0 +1,51 @@
+"""OpenAI's Responses API on the queue (docs/api.md): POST /v1/responses and what the stored responses allow.
+
+params.py checks a request and maps it onto the chat path; conversation.py turns input items (and a
+stored response's output) into chat messages; builder.py makes the output items and stream events;
+store.py keeps responses in Redis, owned per API key; background.py runs `background: true`
+responses on whichever gateway holds their lease; api.py has the handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from ..auth import load_api_keys
+from ..context import GATEWAY
+from ..rate_limits import RateLimiter, load_limits
+from . import api
+from .background import SCAN_S, BackgroundRunner
+from .store import ResponseStore
+
+
+def add_response_routes(app: web.Application) -> None:
+    """The endpoints, and the background runner for the application's lifetime (needs `app[GATEWAY]`)."""
+    gateway = app[GATEWAY]
+    store = ResponseStore(gateway.redis, gateway.shards.home, int(gateway.config.response_ttl))
+    limiter = (
+        RateLimiter(gateway.redis, load_limits(gateway.config), gateway.metrics)
+        if load_api_keys(gateway.config)
+        else None
+    )
+    app[api.RESPONSES] = api.Responses(store, BackgroundRunner(gateway, store, limiter))
+    app.cleanup_ctx.append(_running)
+    router = app.router
+    router.add_post("/v1/responses", api.create)
+    router.add_post("/v1/responses/input_tokens", api.input_tokens)
+    router.add_get("/v1/responses/{response_id}", api.retrieve)
+    router.add_delete("/v1/responses/{response_id}", api.delete)
+    router.add_get("/v1/responses/{response_id}/input_items", api.input_items)
+    router.add_post("/v1/responses/{response_id}/cancel", api.cancel)
+
+
+async def _running(app: web.Application) -> AsyncIterator[None]:
+    runner = app[api.RESPONSES].runner
+    task = asyncio.create_task(runner.run(), name="response-runner")
+    yield
+    await runner.stop()
+    await asyncio.wait([task], timeout=SCAN_S + 5)
+    if not task.done():
+        task.cancel()

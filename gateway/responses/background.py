@@ -1,0 +1,265 @@
+"""Background responses (`background: true`): run through the queue, driven by whichever gateway holds the lease.
+
+The POST stores the response (`queued`, its protocol request with a durable reply stream of its
+own: store.py) and enqueues it; every gateway runs a `BackgroundRunner`, and the one that holds a
+response's lease (`SET NX PX`, renewed each tick, as the batch runner's: gateway/batches/runner.py)
+drives it: it reads the worker's events from the reply stream, builds the stream events
+(builder.py) and appends them to the response's event stream, which GET ?stream=true follows,
+and writes the response object as it changes (`in_progress`, then the end), which GET polls.
+
+Nothing lives only in a driver's memory. A gateway that dies stops renewing its leases; another
+takes the response over after `LEASE_MS`, reads the reply stream from its start, and rebuilds the
+same events (their ids are made from the response's, builder.py), skipping those already written.
+A restarted gateway finds its own responses the same way. Enqueueing is one script (once, whoever
+asks), so a response dropped between its record and its XADD is enqueued by its next driver.
+
+Cancelling sets a flag (store.py); the driver withdraws the entry (deleted if no worker read it,
+else cancelled with the token whose digest the request carries) and ends the response `cancelled`
+with what it had written. A response that has not ended some time after its deadline (a Redis
+that lost the entry) ends `failed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+import protocol
+
+from ..context import Gateway
+from ..errors import ApiError
+from ..generation import Done, Usage
+from ..rate_limits import RateLimiter
+from ..reasoning import Thinking
+from ..tool_calls import ToolPlan
+from .builder import ResponseBuilder
+from .conversation import output_messages
+from .store import ResponseStore
+
+log = logging.getLogger(__name__)
+
+LEASE_MS = 6000
+SCAN_S = 1.0
+READ_BLOCK_MS = 500
+LATE_S = 30.0  # past its deadline by this much, a response no worker answers ends failed
+
+
+class BackgroundRunner:
+    def __init__(self, gateway: Gateway, store: ResponseStore, limiter: RateLimiter | None = None):
+        self.gateway = gateway
+        self.store = store
+        self.limiter = limiter  # the per-key limits, on a gateway with keys: a response's tokens count to its key
+        self.me = gateway.config.gateway_id
+        self._drivers: dict[str, asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Until `stop`: a flag, not a cancellation, which redis-py and Python 3.11's wait_for may swallow."""
+        while not self._stopping:
+            await self._take()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), SCAN_S)
+            self._wake.clear()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop driving; each driver releases its lease, so another gateway takes over at once."""
+        self._stopping = True
+        self._wake.set()
+        drivers = list(self._drivers.values())
+        deadline = time.monotonic() + timeout
+        while (running := [task for task in drivers if not task.done()]) and time.monotonic() < deadline:
+            for task in running:
+                task.cancel()
+            await asyncio.wait(running, timeout=0.5)
+
+    async def _take(self) -> None:
+        for response_id, task in list(self._drivers.items()):
+            if task.done():
+                del self._drivers[response_id]
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("driving response %s failed", response_id, exc_info=task.exception())
+        try:
+            for response_id in await self.store.active():
+                if self._stopping:
+                    return
+                if response_id not in self._drivers and await self.store.take_lease(response_id, self.me, LEASE_MS):
+                    self._drivers[response_id] = asyncio.create_task(
+                        self._drive(response_id), name=f"response-{response_id}"
+                    )
+        except RedisError as exc:
+            log.warning("could not look for background responses to drive: %s", exc)
+
+    async def _drive(self, response_id: str) -> None:
+        log.info("driving background response %s", response_id)
+        try:
+            await Driver(self.gateway, self.store, self.me, response_id, self.limiter).run()
+        except RedisError as exc:
+            log.warning("response %s: redis: %s; handing it back", response_id, exc)
+            await asyncio.sleep(1.0)
+        finally:
+            with contextlib.suppress(RedisError):
+                await asyncio.shield(self.store.release_lease(response_id, self.me))
+
+
+class Driver:
+    """One background response, while this gateway holds its lease."""
+
+    def __init__(
+        self, gateway: Gateway, store: ResponseStore, me: str, response_id: str, limiter: RateLimiter | None = None
+    ):
+        self.gateway = gateway
+        self.limiter = limiter
+        self.store = store
+        self.me = me
+        self.id = response_id
+        self.cursor = "0-0"  # the last reply stream entry read
+        self.tokens = 0  # completion tokens taken (the offsets of deltas, as generation.py checks them)
+        self.written = 0  # events already in the event stream
+        self.thinking = Thinking()  # splits a thinking model's deltas, as generation.py does for a live request
+
+    async def run(self) -> None:
+        record = await self.store.record(self.id)
+        if record is None or record.get("state") != "running":
+            await self.store.forget(self.id)
+            return
+        builder = rebuild(self.id, record)
+        self.written = await self.store.written(self.id)
+        await self._emit(builder.start(queued=True))
+        while await self.store.renew_lease(self.id, self.me, LEASE_MS):
+            record = await self.store.record(self.id)
+            if record is None:
+                await self._withdraw(None)
+                return  # deleted
+            if await self._tick(record, builder):
+                return
+
+    async def _tick(self, record: dict[str, str], builder: ResponseBuilder) -> bool:
+        """One round; True once the response has ended."""
+        if record.get("cancel"):
+            await self._withdraw(record)
+            builder.cancel()
+            await self._end(record, builder)
+            return True
+        stream = self.store.home.request_stream(record["model"])
+        if "entry" not in record:
+            await self.store.enqueue(self.id, stream)
+        if time.time() > float(record["deadline"]) + LATE_S:
+            error = ApiError(504, "the response did not finish before its deadline")
+            return await self._ended(record, builder, builder.fail(error))
+        reply = await self.store.redis.xread(
+            {self.store.reply_stream(self.id): self.cursor}, count=256, block=READ_BLOCK_MS
+        )
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                self.cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                try:
+                    event = protocol.decode_event(fields.get(b"msg", b""))
+                except protocol.ProtocolError:
+                    continue
+                events, ended = self._fold(builder, event)
+                if ended:
+                    return await self._ended(record, builder, events)
+                await self._emit(events)
+                if event.get("type") == "started":
+                    await self.store.save(self.id, {"response": builder.response()})
+        return False
+
+    def _fold(self, builder: ResponseBuilder, event: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+        """The stream events a worker event makes, and whether the response ended with it."""
+        kind = event.get("type")
+        if kind == "started":
+            self.thinking.started(event)
+            return builder.begin(), False
+        if kind == "delta":
+            offset, token_ids = int(event.get("offset", 0)), list(event.get("token_ids") or [])
+            if offset < self.tokens:
+                return [], False  # a re-run after a worker death repeating tokens already taken
+            if offset > self.tokens:
+                return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
+            self.tokens += len(token_ids)
+            logprobs = event.get("logprobs") if isinstance(event.get("logprobs"), list) else None
+            piece = self.thinking.feed(str(event.get("text", "")), len(token_ids))
+            return builder.feed(piece.content, piece.reasoning, logprobs), False
+        if kind == "done":
+            if event.get("finish_reason") == "cancelled":
+                builder.cancel()
+                return [], True
+            usage = event.get("usage") or {}
+            if int(usage.get("completion_tokens", 0)) > self.tokens:
+                return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
+            tail = self.thinking.finish()
+            done = Done(
+                finish_reason=str(event.get("finish_reason")),
+                stop_sequence=event.get("stop_sequence"),
+                usage=Usage(
+                    int(usage.get("prompt_tokens", 0)),
+                    int(usage.get("completion_tokens", 0)),
+                    int(usage.get("cached_tokens", 0)),
+                    reasoning_tokens=self.thinking.tokens,
+                ),
+            )
+            return builder.feed(tail.content, tail.reasoning) + builder.finish(done), True
+        if kind == "error":
+            return builder.fail(ApiError.from_worker(str(event.get("code")), str(event.get("message")))), True
+        return [], False
+
+    async def _ended(self, record: dict[str, str], builder: ResponseBuilder, events: list[dict[str, Any]]) -> bool:
+        await self._emit(events)
+        await self._end(record, builder)
+        return True
+
+    async def _end(self, record: dict[str, str], builder: ResponseBuilder) -> None:
+        history = json.loads(record.get("history") or "[]") + output_messages(builder.output)
+        await self.store.end(self.id, {"state": builder.status, "response": builder.response(), "history": history})
+        if self.limiter is not None and builder.usage is not None:  # after the end: charged at most once
+            await self.limiter.charge_owner(record.get("owner", ""), builder.usage["total_tokens"])
+        self._count(record["model"], builder)
+        log.info("background response %s %s", self.id, builder.status)
+
+    def _count(self, model: str, builder: ResponseBuilder) -> None:
+        """The response in this gateway's request metrics, once, at its end (a driver that died
+        counted nothing); untimed, since a driver that took it over did not see it start."""
+        metrics = self.gateway.metrics.request(model, "responses", timed=False)
+        usage = builder.usage
+        if usage is None:
+            metrics.ended("internal" if builder.status == "failed" else builder.status)  # cancelled
+            return
+        metrics.tokens(usage["output_tokens"])
+        metrics.done(
+            "length" if builder.status == "incomplete" else "stop", usage["input_tokens"], usage["output_tokens"]
+        )
+
+    async def _emit(self, events: list[dict[str, Any]]) -> None:
+        fresh = [event for event in events if event["sequence_number"] >= self.written]
+        if fresh:
+            await self.store.append(self.id, fresh)
+            self.written = fresh[-1]["sequence_number"] + 1
+
+    async def _withdraw(self, record: dict[str, str] | None) -> None:
+        await withdraw(self.store, self.id, record)
+
+
+async def withdraw(store: ResponseStore, response_id: str, record: dict[str, str] | None) -> None:
+    """Take a background response's request back: deleted if no worker read it, else cancelled."""
+    if record is None or "entry" not in record:
+        return
+    stream, _, entry_id = record["entry"].partition(" ")
+    await store.redis.xdel(stream, entry_id)
+    await store.redis.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message(response_id, record.get("cancel_token")))
+
+
+def rebuild(response_id: str, record: dict[str, str]) -> ResponseBuilder:
+    """The builder of a stored background response, as its POST made it."""
+    plan = ToolPlan(**json.loads(record["plan"]))
+    logprobs = json.loads(record.get("logprobs") or "null")
+    return ResponseBuilder(response_id, json.loads(record["echo"]), plan, float(record["created_at"]), logprobs)
