@@ -1,5 +1,6 @@
 """The order rules of a request's token stream, for whoever reads its events: a live client's relay
-(gateway/generation.py) and a batch item's run (gateway/batches/item_run.py) apply the same ones.
+(gateway/generation.py), a batch item's run (gateway/batches/item_run.py) and a background response
+(gateway/responses/background.py) apply the same ones.
 
 A worker sends each delta with its `offset`, the completion tokens sent before it. A delta whose
 offset is below the tokens already taken repeats them (a re-run after a worker death) and is
