@@ -13,6 +13,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import protocol
+from protocol.cancelling import honour_lost_cancel
 from protocol.cluster_url import shard_layout
 from protocol.keys import ShardLayout
 from protocol.redis_client import connect
@@ -139,11 +140,7 @@ async def run_gateway(config: GatewayConfig, *, listening: asyncio.Event | None 
         log.info("gateway %s listening on http://%s:%d", config.gateway_id, config.host, config.port)
         if listening is not None:
             listening.set()
-        # Python 3.11's asyncio.wait_for (inside redis-py's connect) can swallow a cancellation that
-        # lands as the connection completes: honour one that arrived during setup.
-        task = asyncio.current_task()
-        if task is not None and getattr(task, "cancelling", lambda: 0)():
-            raise asyncio.CancelledError
+        honour_lost_cancel()  # one that arrived during setup, inside redis-py's connect
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

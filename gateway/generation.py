@@ -37,6 +37,7 @@ from .reasoning import Split, Thinking
 from .replies import LOST, AlreadyOpen
 from .resume import GAVE_UP, INTERRUPTED, RESUBSCRIBED, Resumption
 from .resume import ask as ask_for_resume
+from .token_order import token_gap
 
 
 @dataclass(frozen=True)
@@ -321,11 +322,11 @@ class Generation:
 
     def _accept_delta(self, event: dict[str, Any]) -> Delta | None:
         token_ids = list(event.get("token_ids") or [])
-        offset = int(event.get("offset", 0))
-        if offset < self._tokens_relayed:
+        gap = token_gap(event, self._tokens_relayed)
+        if gap < 0:
             return None  # a re-run after a worker death repeating tokens already relayed
-        if offset > self._tokens_relayed:
-            raise _lost(offset - self._tokens_relayed)
+        if gap > 0:
+            raise _lost(gap)
         self._tokens_relayed += len(token_ids)
         self.metrics.tokens(len(token_ids))
         if self._first_token_at is None:
@@ -346,8 +347,8 @@ class Generation:
             raise ApiError(503, "the request was cancelled before it finished", code="cancelled")
         usage = event.get("usage") or {}
         completion_tokens = int(usage.get("completion_tokens", 0))
-        if completion_tokens > self._tokens_relayed:
-            raise _lost(completion_tokens - self._tokens_relayed)
+        if (gap := token_gap(event, self._tokens_relayed)) > 0:
+            raise _lost(gap)
         self._tail = self.thinking.finish()
         done = Done(
             finish_reason=str(event.get("finish_reason")),

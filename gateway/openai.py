@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 import protocol
-from protocol.messages import MAX_LOGPROBS, MAX_TOKENS_LIMIT
+from protocol.messages import MAX_LOGPROBS, MAX_TOKENS_LIMIT, ROLES
 
 from . import sse, tool_calls
 from .choices import Choices, choice_requests, total_usage
@@ -38,7 +38,6 @@ from .validate import (
     text_content,
 )
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
 MAX_PROMPTS = 64  # a legacy completion's list of prompts
 MAX_CHOICES = 64  # prompts × n: each is a request in the queue

@@ -21,6 +21,7 @@ import time
 from urllib.parse import urlsplit, urlunsplit
 
 from gateway.config import GatewayConfig
+from protocol.cancelling import cancel_and_wait
 from worker.config import WorkerConfig
 
 from .redis_server import EmbeddedRedis
@@ -322,21 +323,10 @@ def _raise_for(parts: list[asyncio.Task], stop: asyncio.Event) -> None:
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:
-    """Cancel and wait; cancel again a task still running after a while (Python 3.11's wait_for can
-    swallow a cancellation), then give up on it rather than hang."""
-    pending = [task for task in tasks if not task.done()]
-    for wait in STOP_WAITS_S:
-        if not pending:
-            break
-        for task in pending:
-            task.cancel()
-        _, still = await asyncio.wait(pending, timeout=wait)
-        pending = list(still)
-    for task in pending:
+    """Cancel and wait, cancelling again a task still running after a while (protocol/cancelling.py),
+    then give up on it rather than hang."""
+    for task in await cancel_and_wait(tasks, STOP_WAITS_S):
         log.warning("the %s did not stop within %.0f s", task.get_name(), sum(STOP_WAITS_S))
-    for task in tasks:  # retrieve every outcome, so asyncio reports none as never retrieved
-        if task.done() and not task.cancelled():
-            task.exception()
 
 
 async def _watch(redis: EmbeddedRedis) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import struct
 
+TOKEN_BYTES = struct.calcsize("<I")  # one token id: a little-endian uint32
+
 
 def encode_progress(token_ids: list[int]) -> bytes:
     return struct.pack(f"<{len(token_ids)}I", *token_ids)
@@ -17,5 +19,5 @@ def decode_progress(raw: bytes | None) -> list[int]:
     """The token ids of a progress record (a trailing partial id, never written by lmq, is ignored)."""
     if not raw:
         return []
-    count = len(raw) // 4
-    return list(struct.unpack(f"<{count}I", raw[: count * 4]))
+    count = len(raw) // TOKEN_BYTES
+    return list(struct.unpack(f"<{count}I", raw[: count * TOKEN_BYTES]))

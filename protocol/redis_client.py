@@ -125,6 +125,13 @@ async def transaction(client: aioredis.Redis):
     return client.pipeline(transaction=True)
 
 
+def reply_text(value: bytes | str | None) -> str:
+    """A reply's value as text: the clients here answer bytes; a str passes, None is ""."""
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def _cluster(url: str) -> RedisCluster:
     address = parse_cluster_url(url)
     return _RedisCluster(

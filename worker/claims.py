@@ -4,9 +4,8 @@
 (protocol/keys.py: `lmq:req:<model>` and `lmq:req-batch:<model>` on one Redis; the same in each of
 K hash-tagged shards on a cluster): a `Lane` each. `RequestStreams` holds them behind one
 interface. Streams number their entries independently, so the same id can exist in two: a worker
-names an entry by a handle that is unique across its lanes (`entry_handle`), the plain id for the
-home shard's interactive lane (as before priorities existed) and `<lane>/<id>` for the others, and
-every write or acknowledgement goes to the handle's own stream (worker/publisher.py does the same).
+names an entry by an `EntryRef` (its lane and its id), and every write or acknowledgement goes to
+the ref's own stream (worker/publisher.py does the same).
 """
 
 from __future__ import annotations
@@ -19,22 +18,35 @@ from redis.exceptions import ResponseError
 
 from protocol import REQUEST_GROUP
 from protocol.keys import BATCH, INTERACTIVE, UNSHARDED, Shard, ShardLayout
+from protocol.redis_client import reply_text
 from protocol.request_groups import create_request_group
 from worker.step_script import KEEP_LUA
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class EntryRef:
+    """A request stream entry among a worker's lanes: the lane (`Lane.name`) whose stream holds it, and its id."""
+
+    lane: str
+    entry_id: str
+
+    def __str__(self) -> str:
+        """For log lines: the plain id in the home shard's interactive lane, else `<lane>/<id>`."""
+        return self.entry_id if self.lane == INTERACTIVE else f"{self.lane}/{self.entry_id}"
+
+
 @dataclass(frozen=True)
 class Entry:
-    """One request stream entry: its id and its raw fields (bytes keys and values)."""
+    """One request stream entry: where it is and its raw fields (bytes keys and values)."""
 
-    entry_id: str
+    ref: EntryRef
     fields: dict[bytes, bytes]
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    @property
+    def entry_id(self) -> str:
+        return self.ref.entry_id
 
 
 def is_missing_group(error: ResponseError) -> bool:
@@ -43,10 +55,13 @@ def is_missing_group(error: ResponseError) -> bool:
 
 
 class RequestStream:
-    def __init__(self, redis: aioredis.Redis, stream: str, consumer: str):
+    """One stream; its entries come out named in `lane` (a worker's `Lane.name` for the stream)."""
+
+    def __init__(self, redis: aioredis.Redis, stream: str, consumer: str, lane: str = INTERACTIVE):
         self.redis = redis
         self.stream = stream
         self.consumer = consumer
+        self.lane = lane
         self._keep = redis.register_script(KEEP_LUA)
 
     async def ensure_group(self) -> None:
@@ -58,7 +73,7 @@ class RequestStream:
         reply = await self.redis.xreadgroup(
             REQUEST_GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms
         )
-        return [Entry(_text(entry_id), fields or {}) for entry_id, fields in reply[0][1]] if reply else []
+        return [self._entry(entry_id, fields) for entry_id, fields in reply[0][1]] if reply else []
 
     async def claim_idle(self, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over up to `count` entries that other consumers left idle for `min_idle_ms`.
@@ -70,16 +85,19 @@ class RequestStream:
         reply = await self.redis.xautoclaim(
             self.stream, REQUEST_GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count
         )
-        claimed = [Entry(_text(entry_id), fields or {}) for entry_id, fields in reply[1] if entry_id is not None]
+        claimed = [self._entry(entry_id, fields) for entry_id, fields in reply[1] if entry_id is not None]
         if len(claimed) < len(reply[1]):
             await self._acknowledge_withdrawn()
         return claimed
+
+    def _entry(self, entry_id: bytes | str, fields: dict[bytes, bytes] | None) -> Entry:
+        return Entry(EntryRef(self.lane, reply_text(entry_id)), fields or {})
 
     async def _acknowledge_withdrawn(self) -> None:
         pending = await self.redis.xpending_range(
             self.stream, REQUEST_GROUP, min="-", max="+", count=1000, consumername=self.consumer
         )
-        ids = [_text(item["message_id"]) for item in pending]
+        ids = [reply_text(item["message_id"]) for item in pending]
         pipe = self.redis.pipeline(transaction=False)
         for entry_id in ids:
             pipe.xrange(self.stream, entry_id, entry_id)
@@ -93,7 +111,7 @@ class RequestStream:
         if not entry_ids:
             return []
         lost = await self._keep(keys=[self.stream], args=[REQUEST_GROUP, self.consumer, *entry_ids])
-        return [_text(entry_id) for entry_id in lost]
+        return [reply_text(entry_id) for entry_id in lost]
 
     async def delivery_count(self, entry_id: str) -> int:
         """How many times the entry was delivered (read or claimed); 0 when it is no longer pending."""
@@ -125,34 +143,22 @@ def model_lanes(layout: ShardLayout, model: str) -> list[Lane]:
     ]
 
 
-def entry_handle(lane: str, entry_id: str) -> str:
-    """A name for an entry that is unique across a worker's lanes ('/' never occurs in a stream id)."""
-    return entry_id if lane == INTERACTIVE else f"{lane}/{entry_id}"
-
-
-def split_handle(handle: str) -> tuple[str, str]:
-    """(lane name, stream entry id) of a handle made by `entry_handle`."""
-    lane, slash, entry_id = handle.rpartition("/")
-    return (lane, entry_id) if slash else (INTERACTIVE, handle)
-
-
 class RequestStreams:
     """One consumer's view of its model's lanes, in the order they are served.
 
-    Entries come out as `Entry` objects whose `entry_id` is a handle (`entry_handle`); every method
-    that takes entry ids takes handles and sends each to its own stream."""
+    Entries come out named by `EntryRef`s; every method that takes refs sends each to its own stream."""
 
     def __init__(self, redis: aioredis.Redis, lanes: list[Lane], consumer: str):
         self.lanes = {lane.name: lane for lane in lanes}
-        self.by_lane = {lane.name: RequestStream(redis, lane.stream, consumer) for lane in lanes}
+        self.by_lane = {lane.name: RequestStream(redis, lane.stream, consumer, lane.name) for lane in lanes}
 
     @property
     def stream(self) -> str:
         """The streams' names, for log lines."""
         return " + ".join(lane.stream for lane in self.lanes.values())
 
-    def lane_of(self, handle: str) -> Lane:
-        return self.lanes[split_handle(handle)[0]]
+    def lane_of(self, entry: EntryRef) -> Lane:
+        return self.lanes[entry.lane]
 
     async def ensure_group(self) -> None:
         for stream in self.by_lane.values():
@@ -160,7 +166,7 @@ class RequestStreams:
 
     async def read_new(self, lane: str, count: int, block_ms: int) -> list[Entry]:
         """Up to `count` new entries of one lane's stream (each lane has its own reader)."""
-        return self._handles(lane, await self.by_lane[lane].read_new(count, block_ms))
+        return await self.by_lane[lane].read_new(count, block_ms)
 
     async def claim_idle(self, min_idle_ms: int, counts: dict[str, int]) -> list[Entry]:
         """Take over idle entries, up to `counts[priority]` of each priority over all its lanes, interactive ones first."""
@@ -168,29 +174,24 @@ class RequestStreams:
         claimed: list[Entry] = []
         for name, lane in self.lanes.items():
             if left.get(lane.priority, 0) > 0:
-                taken = self._handles(name, await self.by_lane[name].claim_idle(min_idle_ms, left[lane.priority]))
+                taken = await self.by_lane[name].claim_idle(min_idle_ms, left[lane.priority])
                 left[lane.priority] -= len(taken)
                 claimed += taken
         return claimed
 
-    async def keep(self, handles: list[str]) -> list[str]:
-        lost: list[str] = []
-        for lane, entry_ids in _by_lane(handles).items():
-            lost += [entry_handle(lane, entry_id) for entry_id in await self.by_lane[lane].keep(entry_ids)]
+    async def keep(self, entries: list[EntryRef]) -> list[EntryRef]:
+        """Reset the idle time of the entries this consumer still owns; the ones another consumer took over."""
+        lost: list[EntryRef] = []
+        for lane, entry_ids in _by_lane(entries).items():
+            lost += [EntryRef(lane, entry_id) for entry_id in await self.by_lane[lane].keep(entry_ids)]
         return lost
 
-    async def delivery_count(self, handle: str) -> int:
-        lane, entry_id = split_handle(handle)
-        return await self.by_lane[lane].delivery_count(entry_id)
-
-    @staticmethod
-    def _handles(lane: str, entries: list[Entry]) -> list[Entry]:
-        return [Entry(entry_handle(lane, entry.entry_id), entry.fields) for entry in entries]
+    async def delivery_count(self, entry: EntryRef) -> int:
+        return await self.by_lane[entry.lane].delivery_count(entry.entry_id)
 
 
-def _by_lane(handles: list[str]) -> dict[str, list[str]]:
+def _by_lane(entries: list[EntryRef]) -> dict[str, list[str]]:
     grouped: dict[str, list[str]] = {}
-    for handle in handles:
-        lane, entry_id = split_handle(handle)
-        grouped.setdefault(lane, []).append(entry_id)
+    for entry in entries:
+        grouped.setdefault(entry.lane, []).append(entry.entry_id)
     return grouped

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol import SamplingParams
+from protocol.messages import MAX_LOGPROBS
 from worker import compute_thread
 from worker.detok import IncrementalDetokenizer, StopStrings, text_state
 from worker.grammar import GrammarCompiler
@@ -30,7 +31,7 @@ from worker.prompt import PromptTooLong
 from worker.reasoning_budget import Thinking, budget_for
 from worker.runtime.backend import StepBackend
 from worker.runtime.select import select_backend
-from worker.sampler import MAX_LOGPROBS, Sampled, SamplingState, TokenLogprob, sample
+from worker.sampler import Sampled, SamplingState, TokenLogprob, sample
 from worker.scheduler import Scheduled, Scheduler, Sequence, StepPlan
 
 log = logging.getLogger(__name__)

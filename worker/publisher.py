@@ -19,8 +19,8 @@ answer of a huge prompt) is replaced by a `too_large` error event for its own re
 is acknowledged; the request is then reported refused (status `too_large`) so its owner stops it.
 A dead letter keeps at most DEAD_LETTER_PREFIX_BYTES of the raw entry.
 
-What was written is reported through `on_written(entry_ids)`; what the script refused comes back
-through `on_refused(entry_id, status, detail)`: `lost` (another
+Entries are named by `EntryRef`s (worker/claims.py). What was written is reported through
+`on_written(entries)`; what the script refused comes back through `on_refused(entry, status, detail)`: `lost` (another
 worker owns the entry now) or `denied` (its reply address could not be written; the script has
 acknowledged and dead-lettered it). The owner drops those requests.
 """
@@ -39,8 +39,9 @@ from redis.exceptions import RedisError
 
 from protocol import MAX_MESSAGE_BYTES, REQUEST_GROUP, Reply, encode, encode_progress, error_event
 from protocol.keys import Shard
-from protocol.redis_client import UNREACHABLE
-from worker.claims import Lane, split_handle
+from protocol.progress import TOKEN_BYTES
+from protocol.redis_client import UNREACHABLE, reply_text
+from worker.claims import EntryRef, Lane
 from worker.step_script import LUA
 
 log = logging.getLogger(__name__)
@@ -49,12 +50,11 @@ REPLY_STREAM_MAXLEN = 10_000
 DEAD_LETTER_MAXLEN = 10_000
 KEY_TTL_S = 3600
 RETRY_DELAY_S = 0.5
-TOKEN_BYTES = 4  # progress holds each token id as a little-endian uint32
 BATCH_HEADER_BYTES = 32  # a published batch's map, `v`, `events` and its array header: 18 bytes at most
 MAX_EVENT_BYTES = MAX_MESSAGE_BYTES - BATCH_HEADER_BYTES  # also the most event bytes one PUBLISH carries
 DEAD_LETTER_PREFIX_BYTES = 4096  # of a dead-lettered entry's raw msg: enough to identify it, never a copy of a huge one
 
-Refused = Callable[[str, str, str], None]
+Refused = Callable[[EntryRef, str, str], None]
 
 
 @dataclass
@@ -85,68 +85,68 @@ class Publisher:
         lanes: list[Lane],
         consumer: str,
         on_refused: Refused | None = None,
-        on_written: Callable[[list[str]], None] | None = None,
+        on_written: Callable[[list[EntryRef]], None] | None = None,
     ):
         self.redis = redis
-        # Entries are named by handles (worker/claims.py: entry_handle): each write goes to its entry's own stream.
+        # Each write goes to its entry's own stream: the one of its lane.
         self.lanes = {lane.name: lane for lane in lanes}
         self.consumer = consumer
-        self.on_refused = on_refused or (lambda entry_id, status, detail: None)
-        self.on_written = on_written or (lambda entry_ids: None)
+        self.on_refused = on_refused or (lambda entry, status, detail: None)
+        self.on_written = on_written or (lambda entries: None)
         self._script = redis.register_script(LUA)
         # Step numbers are unique to this process, so a restarted worker with the same id starts afresh.
         self._process_token = secrets.token_hex(4)
         self._step = 0
-        self._pending: dict[str, _EntryWrites] = {}
-        self._too_large: dict[str, str] = {}  # entry -> why: failed by an oversize event, until reported refused
+        self._pending: dict[EntryRef, _EntryWrites] = {}
+        self._too_large: dict[EntryRef, str] = {}  # entry -> why: failed by an oversize event, until reported refused
         self._wakeup = asyncio.Event()
         self._sent = asyncio.Event()
         self._sending = False
 
     # ------------------------------------------------------------ writes (synchronous, never block)
 
-    def send(self, entry_id: str, reply: Reply, event: dict[str, Any]) -> None:
-        if entry_id in self._too_large:
+    def send(self, entry: EntryRef, reply: Reply, event: dict[str, Any]) -> None:
+        if entry in self._too_large:
             return
         data = encode(event)
         if len(data) > MAX_EVENT_BYTES:
-            data = self._refuse_oversize(entry_id, event, len(data))
-        writes = self._writes(entry_id)
+            data = self._refuse_oversize(entry, event, len(data))
+        writes = self._writes(entry)
         writes.reply = reply
         writes.events.append(data)
 
-    def _refuse_oversize(self, entry_id: str, event: dict[str, Any], size: int) -> bytes:
+    def _refuse_oversize(self, entry: EntryRef, event: dict[str, Any], size: int) -> bytes:
         """An event too large for any message fails its own request: an error event in its place, the entry finished."""
         detail = f"the request's {event.get('type')} event is {size} bytes; one event may be at most {MAX_EVENT_BYTES}"
-        log.warning("entry %s: %s", entry_id, detail)
-        self._too_large[entry_id] = detail
-        self._writes(entry_id).finish = True
+        log.warning("entry %s: %s", entry, detail)
+        self._too_large[entry] = detail
+        self._writes(entry).finish = True
         return encode(error_event(event.get("id"), event.get("seq", 0), "too_large", detail))
 
-    def record_progress(self, entry_id: str, request_id: str, offset: int, token_ids: list[int]) -> None:
+    def record_progress(self, entry: EntryRef, request_id: str, offset: int, token_ids: list[int]) -> None:
         """`token_ids` were streamed after the first `offset` completion tokens."""
-        if entry_id in self._too_large:
+        if entry in self._too_large:
             return
-        writes = self._writes(entry_id)
+        writes = self._writes(entry)
         if not writes.progress:
             writes.request_id, writes.progress_offset = request_id, offset
         writes.progress.extend(token_ids)
 
-    def finish(self, entry_id: str, request_id: str | None) -> None:
+    def finish(self, entry: EntryRef, request_id: str | None) -> None:
         """Acknowledge and delete the entry; forget the request's progress and holder."""
-        writes = self._writes(entry_id)
+        writes = self._writes(entry)
         writes.finish = True
         writes.request_id = request_id or writes.request_id
 
-    def dead_letter(self, entry_id: str, raw: bytes, code: str, message: str) -> None:
+    def dead_letter(self, entry: EntryRef, raw: bytes, code: str, message: str) -> None:
         if len(raw) > DEAD_LETTER_PREFIX_BYTES:
             message += f" (the entry's msg was {len(raw)} bytes; its first {DEAD_LETTER_PREFIX_BYTES} are kept)"
             raw = raw[:DEAD_LETTER_PREFIX_BYTES]
-        self._writes(entry_id).dead_letter = (raw, code, message)
+        self._writes(entry).dead_letter = (raw, code, message)
 
-    def _writes(self, entry_id: str) -> _EntryWrites:
+    def _writes(self, entry: EntryRef) -> _EntryWrites:
         self._wakeup.set()
-        return self._pending.setdefault(entry_id, _EntryWrites())
+        return self._pending.setdefault(entry, _EntryWrites())
 
     # ------------------------------------------------------------ the sending task
 
@@ -170,14 +170,14 @@ class Publisher:
             self._sent.clear()
             await self._sent.wait()
 
-    async def _send(self, writes: dict[str, _EntryWrites]) -> None:
+    async def _send(self, writes: dict[EntryRef, _EntryWrites]) -> None:
         self._step += 1
-        by_shard: dict[Shard, dict[str, _EntryWrites]] = {}
-        for handle, entry_writes in writes.items():
-            by_shard.setdefault(self.lanes[split_handle(handle)[0]].shard, {})[handle] = entry_writes
+        by_shard: dict[Shard, dict[EntryRef, _EntryWrites]] = {}
+        for entry, entry_writes in writes.items():
+            by_shard.setdefault(self.lanes[entry.lane].shard, {})[entry] = entry_writes
         await asyncio.gather(*(self._send_to_shard(shard, shard_writes) for shard, shard_writes in by_shard.items()))
 
-    async def _send_to_shard(self, shard: Shard, writes: dict[str, _EntryWrites]) -> None:
+    async def _send_to_shard(self, shard: Shard, writes: dict[EntryRef, _EntryWrites]) -> None:
         lanes = [lane for lane in self.lanes.values() if lane.shard == shard]
         stream_numbers = {lane.name: number for number, lane in enumerate(lanes, start=1)}
         keys = [
@@ -194,9 +194,8 @@ class Publisher:
             DEAD_LETTER_MAXLEN,
             MAX_EVENT_BYTES,
         ]
-        for handle, entry_writes in writes.items():
-            lane, entry_id = split_handle(handle)
-            args += entry_writes.arguments(shard, stream_numbers[lane], entry_id)
+        for entry, entry_writes in writes.items():
+            args += entry_writes.arguments(shard, stream_numbers[entry.lane], entry.entry_id)
         while True:
             try:
                 answer = await self._script(keys=keys, args=args)
@@ -211,26 +210,22 @@ class Publisher:
                 break
         self._report(answer, list(writes))
 
-    def _report(self, answer: list, entry_ids: list[str]) -> None:
+    def _report(self, answer: list, entries: list[EntryRef]) -> None:
         """`answer` names entries by their position among the step's records (1-based)."""
-        refused: set[str] = set()
+        refused: set[EntryRef] = set()
         for index in range(0, len(answer), 3):
-            position, status, detail = (_text(part) for part in answer[index : index + 3])
-            entry_id = entry_ids[int(position) - 1]
+            position, status, detail = (reply_text(part) for part in answer[index : index + 3])
+            entry = entries[int(position) - 1]
             if status == "orphan":
-                log.warning("entry %s is pending for nobody (the group was reset?); its events still go out", entry_id)
+                log.warning("entry %s is pending for nobody (the group was reset?); its events still go out", entry)
                 continue
             log.warning(
-                "entry %s %s: %s", entry_id, "taken over by another worker" if status == "lost" else "refused", detail
+                "entry %s %s: %s", entry, "taken over by another worker" if status == "lost" else "refused", detail
             )
-            refused.add(entry_id)
-            self.on_refused(entry_id, status, detail)
-        self.on_written([entry_id for entry_id in entry_ids if entry_id not in refused])
-        for entry_id in entry_ids:
-            detail = self._too_large.pop(entry_id, None)
-            if detail is not None and entry_id not in refused:
-                self.on_refused(entry_id, "too_large", detail)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            refused.add(entry)
+            self.on_refused(entry, status, detail)
+        self.on_written([entry for entry in entries if entry not in refused])
+        for entry in entries:
+            detail = self._too_large.pop(entry, None)
+            if detail is not None and entry not in refused:
+                self.on_refused(entry, "too_large", detail)

@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 from protocol import REQUEST_GROUP, ProtocolError, Request, encode_progress, error_event
 from protocol.redis_client import REDIS_FAILURES
 from protocol.resume import Resume, decode_resume, resumed_event
-from worker.claims import RequestStreams, split_handle
+from worker.claims import EntryRef, RequestStreams
 from worker.publisher import KEY_TTL_S, Publisher
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class _Kept:
     """What this worker sent for one request it runs (or ran)."""
 
     request: Request
-    entry_id: str  # the entry's handle (worker/claims.py)
+    entry_id: EntryRef  # the entry (worker/claims.py)
     tokens: array  # completion tokens streamed so far (uint32), a dead worker's before this one's included
     events: deque[tuple[int, dict[str, Any], int]] = field(default_factory=deque)  # (seq, event, size)
     size: int = 0
@@ -114,16 +114,16 @@ class SentEvents:
 
     def __init__(self) -> None:
         self._kept: dict[str, _Kept] = {}
-        self._by_entry: dict[str, str] = {}
+        self._by_entry: dict[EntryRef, str] = {}
         self._ended: deque[tuple[float, str]] = deque()  # (ended at, request id), oldest first
         self.total = 0
 
-    def started(self, request: Request, entry_id: str, streamed: list[int]) -> None:
+    def started(self, request: Request, entry_id: EntryRef, streamed: list[int]) -> None:
         self.forget(request.id)
         self._kept[request.id] = _Kept(request, entry_id, array("I", streamed), tokens_before_run=len(streamed))
         self._by_entry[entry_id] = request.id
 
-    def sent(self, entry_id: str, event: dict[str, Any]) -> None:
+    def sent(self, entry_id: EntryRef, event: dict[str, Any]) -> None:
         kept = self._of_entry(entry_id)
         if kept is None:
             return
@@ -137,13 +137,13 @@ class SentEvents:
             self._drop_oldest(kept)
         self._trim(time.monotonic())
 
-    def ended(self, entry_id: str) -> None:
+    def ended(self, entry_id: EntryRef) -> None:
         kept = self._of_entry(entry_id)
         if kept is not None and kept.ended_at is None:
             kept.ended_at = time.monotonic()
             self._ended.append((kept.ended_at, kept.request.id))
 
-    def forget_entry(self, entry_id: str) -> None:
+    def forget_entry(self, entry_id: EntryRef) -> None:
         """The entry is no longer this worker's (taken over, refused): nothing of it may be sent again."""
         request_id = self._by_entry.get(entry_id)
         if request_id is not None:
@@ -159,7 +159,7 @@ class SentEvents:
         self._trim(time.monotonic())
         return self._kept.get(request_id)
 
-    def _of_entry(self, entry_id: str) -> _Kept | None:
+    def _of_entry(self, entry_id: EntryRef) -> _Kept | None:
         request_id = self._by_entry.get(entry_id)
         return self._kept.get(request_id) if request_id is not None else None
 
@@ -195,15 +195,15 @@ class RecordingPublisher(Publisher):
         super().__init__(*args, **kwargs)
         self.sent_events = SentEvents()
 
-    def send(self, entry_id: str, reply, event: dict[str, Any]) -> None:
+    def send(self, entry_id: EntryRef, reply, event: dict[str, Any]) -> None:
         super().send(entry_id, reply, event)
         self.sent_events.sent(entry_id, event)
 
-    def finish(self, entry_id: str, request_id: str | None) -> None:
+    def finish(self, entry_id: EntryRef, request_id: str | None) -> None:
         super().finish(entry_id, request_id)
         self.sent_events.ended(entry_id)
 
-    def send_again(self, entry_id: str, reply, event: dict[str, Any]) -> None:
+    def send_again(self, entry_id: EntryRef, reply, event: dict[str, Any]) -> None:
         """Send an event without keeping it a second time."""
         super().send(entry_id, reply, event)
 
@@ -271,8 +271,8 @@ class Resumer:
         args = [
             REQUEST_GROUP,
             self.consumer,
-            split_handle(kept.entry_id)[1],
-            kept.entry_id,
+            kept.entry_id.entry_id,
+            str(kept.entry_id),  # the holder's value: the entry's name, as the step script writes it
             ttl,
             encode_progress(kept.tokens.tolist()),
             KEY_TTL_S,

@@ -31,8 +31,6 @@ from protocol import SamplingParams
 from worker.grammar import GrammarMatcher, apply_token_masks
 from worker.reasoning_budget import ThinkingBudget
 
-MAX_LOGPROBS = 20
-
 
 @dataclass
 class TokenLogprob:

@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from protocol.keys import BATCH, INTERACTIVE
-from worker.kv_cache import KVCache, page_key
+from worker.pages import PagePool, page_key
 
 
 @dataclass(eq=False)
@@ -135,7 +135,7 @@ def _pages_for(tokens: int, page_size: int) -> int:
 class Scheduler:
     def __init__(
         self,
-        kv: KVCache,
+        kv: PagePool,
         *,
         max_seqs: int,
         step_tokens: int,

@@ -27,13 +27,13 @@ from protocol import (
     decode_progress,
     decode_request,
 )
+from protocol.cancelling import cancel_and_wait
 from protocol.cluster_url import shard_layout
 from protocol.keys import BATCH, INTERACTIVE
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from protocol.resume import RESUME_CHANNEL
 from worker import compute_thread
-from worker.cancel_memory import CancelMemory
-from worker.claims import Entry, RequestStreams, is_missing_group, model_lanes
+from worker.claims import Entry, EntryRef, RequestStreams, is_missing_group, model_lanes
 from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.heartbeat import heartbeat_loop
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 READ_BLOCK_MS = 1000
 REDIS_RETRY_S = 1.0
 HOLDER_MARGIN_S = 60  # a request's holder key outlives its deadline by this much
-CANCEL_TRIES, CANCEL_WAIT_S = 10, 1.0
+CANCEL_WAITS_S = (1.0,) * 10  # a stopping task is cancelled up to ten times, a second apart
 # SET NX EX, and answer who holds the key now (this entry, or the one that held it already).
 HOLD_LUA = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return ARGV[1] end return redis.call('GET', KEYS[1])"
 
@@ -101,12 +101,13 @@ class Worker:
             on_step_seconds=lambda seconds: self.metrics.observe_step(seconds),
         )
         self.metrics = WorkerMetrics(self.model_name, lambda: self.engine.stats)
-        self.table = RequestTable(self.publisher, self.metrics.count_finished, LogprobEvents(model.tokenizer))
+        self.table = RequestTable(
+            self.publisher, self.engine.cancel, self.metrics.count_finished, LogprobEvents(model.tokenizer)
+        )
         # A script, not MULTI: redis-py 8.1's cluster client runs a transaction that finds its slot map
         # stale on another event loop, which fails (seen after a primary came back).
         self._hold = redis.register_script(HOLD_LUA)
         self._room = asyncio.Event()
-        self._early_cancels = CancelMemory()  # (request id, token digest) of cancels for requests not started yet
 
     # ------------------------------------------------------------ lifetime
 
@@ -221,14 +222,14 @@ class Worker:
         """Keep our entries from looking abandoned, and time out those past their deadline."""
         while True:
             await asyncio.sleep(self.config.claim_idle_ms / 3000)
-            self._time_out_overdue()
+            self.table.time_out_overdue(time.time())
             try:
-                lost = await self.stream.keep([running.entry_id for running in self.table.running.values()])
+                lost = await self.stream.keep([running.entry for running in self.table.running.values()])
             except REDIS_FAILURES as exc:
                 log.warning("could not refresh held entries: %s", exc)
                 continue
-            for entry_id in lost:
-                self._on_refused(entry_id, "lost", "another worker took it over")
+            for entry in lost:
+                self._on_refused(entry, "lost", "another worker took it over")
 
     async def _recover_from(self, error: Exception) -> None:
         """Recreate a lost stream or group (FLUSHALL, a Redis restarted empty); else wait and retry."""
@@ -241,15 +242,13 @@ class Worker:
                 error = exc
         await _pause_after(error)
 
-    def _on_written(self, entry_ids: list[str]) -> None:
-        self.table.written(entry_ids)
+    def _on_written(self, entries: list[EntryRef]) -> None:
+        self.table.written(entries)
 
-    def _on_refused(self, entry_id: str, status: str, detail: str) -> None:
-        """The publisher or the keep loop found an entry this worker may no longer answer: stop its request."""
-        self.publisher.sent_events.forget_entry(entry_id)
-        request_id = self.table.drop(entry_id)
-        if request_id is not None:
-            self.engine.cancel(request_id)
+    def _on_refused(self, entry: EntryRef, status: str, detail: str) -> None:
+        """The publisher or the keep loop found an entry this worker may no longer answer: end its request."""
+        self.publisher.sent_events.forget_entry(entry)
+        self.table.refused(entry, status)
 
     async def _listen_for_cancels(self) -> None:
         while True:
@@ -271,25 +270,12 @@ class Worker:
             await cancels.aclose()
 
     def _cancel(self, raw: bytes) -> None:
-        """Stop the request the cancel names (its id and its token's digest, protocol.Cancel); a cancel
-        naming no request this worker runs is remembered: perhaps it was read but has not started yet."""
         try:
             cancel = decode_cancel(raw)
         except ProtocolError as exc:
             log.info("ignored a malformed cancellation: %s", exc)
             return
-        running = self.table.running.get(cancel.id)
-        if running is not None and running.request.cancel_digest == cancel.digest:
-            self.engine.cancel(cancel.id)
-        else:
-            self._early_cancels.remember((cancel.id, cancel.digest))
-
-    def _time_out_overdue(self) -> None:
-        now = time.time()
-        for running in self.table.running.values():
-            if running.request.deadline < now and not running.timed_out:
-                running.timed_out = True
-                self.engine.cancel(running.request.id)
+        self.table.cancel(cancel)
 
     # ------------------------------------------------------------ from entry to engine
 
@@ -298,13 +284,13 @@ class Worker:
         try:
             request = decode_request(raw)
         except ProtocolError as exc:
-            self.table.reject(entry.entry_id, raw, exc.code, exc.message, request_id=exc.request_id, reply=exc.reply)
+            self.table.reject(entry.ref, raw, exc.code, exc.message, request_id=exc.request_id, reply=exc.reply)
             return
-        shard = self.stream.lane_of(entry.entry_id).shard
+        shard = self.stream.lane_of(entry.ref).shard
         if request.reply.kind != "pubsub" and not shard.holds(request.reply.key):
             # A script may write any key its node holds, so without this check where the slots lie would decide.
             message = f"the reply {request.reply.kind} {request.reply.key!r} is outside the request's shard: on a Redis Cluster it carries the shard's hash tag {{{shard.tag}}}"
-            self.table.reject(entry.entry_id, raw, "reply_denied", message, request_id=request.id, reply=None)
+            self.table.reject(entry.ref, raw, "reply_denied", message, request_id=request.id, reply=None)
             return
         streamed: list[int] = []
         try:
@@ -313,10 +299,10 @@ class Worker:
             if time.time() > request.deadline:
                 raise ProtocolError("timeout", "the request's deadline passed before it started")
             if request.task != "generate":
-                self.table.answer(entry.entry_id, request, answer_task(self.model, request))
+                self.table.answer(entry.ref, request, answer_task(self.model, request))
                 return
-            await self._hold_id(request, entry.entry_id)
-            self._start(request, entry.entry_id, streamed)
+            await self._hold_id(request, entry.ref)
+            self._start(request, entry.ref, streamed)
         except REDIS_FAILURES:
             raise
         except Exception as exc:
@@ -325,7 +311,7 @@ class Worker:
             forget = code != "duplicate_id"
             log.info("request_id=%s refused: %s: %s", request.id, code, message, extra={"request_id": request.id})
             self.table.reject(
-                entry.entry_id,
+                entry.ref,
                 raw,
                 code,
                 message,
@@ -337,25 +323,26 @@ class Worker:
 
     async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
         """For an entry taken over from a dead worker: the tokens it streamed, unless it ran too often."""
-        progress = self.stream.lane_of(entry.entry_id).shard.progress_key(request.id)
+        progress = self.stream.lane_of(entry.ref).shard.progress_key(request.id)
         streamed = decode_progress(await self.redis.get(progress))
-        attempts = await self.stream.delivery_count(entry.entry_id)
+        attempts = await self.stream.delivery_count(entry.ref)
         if attempts > self.config.max_attempts:
             raise ProtocolError(
                 "retry_limit", f"abandoned by {attempts - 1} workers; the limit is {self.config.max_attempts} runs"
             )
         return streamed
 
-    async def _hold_id(self, request: Request, entry_id: str) -> None:
+    async def _hold_id(self, request: Request, entry: EntryRef) -> None:
         """Make this entry the one that runs the request's id, on every worker: two entries with one id
         would share a reply address and a progress record. The entry finishing deletes the key."""
-        key = self.stream.lane_of(entry_id).shard.holder_key(request.id)
+        key = self.stream.lane_of(entry).shard.holder_key(request.id)
+        holder_name = str(entry)  # unique in the shard: its two streams number their entries independently
         ttl = max(int(request.deadline - time.time()), 0) + HOLDER_MARGIN_S
-        holder = await self._hold(keys=[key], args=[entry_id, ttl])
-        if holder is not None and holder.decode() != entry_id:
+        holder = await self._hold(keys=[key], args=[holder_name, ttl])
+        if holder is not None and holder.decode() != holder_name:
             raise ProtocolError("duplicate_id", f"a request with id {request.id} is already running")
 
-    def _start(self, request: Request, entry_id: str, streamed: list[int]) -> None:
+    def _start(self, request: Request, entry: EntryRef, streamed: list[int]) -> None:
         prompt_ids = build_prompt_ids(
             self.model,
             messages=request.messages,
@@ -380,8 +367,8 @@ class Worker:
             reasoning_budget=request.reasoning_budget,
         )
         self.engine.add(work)
-        self.publisher.sent_events.started(request, entry_id, streamed)  # before table.start sends `started`
-        self.table.start(request, entry_id, len(streamed), len(prompt_ids), thinking)
+        self.publisher.sent_events.started(request, entry, streamed)  # before table.start sends `started`
+        self.table.start(request, entry, len(streamed), len(prompt_ids), thinking)
         resumed = f", resuming after {len(streamed)} streamed tokens" if streamed else ""
         log.info(
             "request_id=%s started: %d prompt tokens%s",
@@ -390,8 +377,6 @@ class Worker:
             resumed,
             extra={"request_id": request.id},
         )
-        if self._early_cancels.take((request.id, request.cancel_digest)):
-            self.engine.cancel(request.id)
 
     def _on_step(self, outputs: list[SeqOutput]) -> None:
         self.table.on_step(outputs)
@@ -450,15 +435,7 @@ async def _pause_after(error: Exception) -> None:
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:
-    """Cancel and await the tasks. A cancellation can be lost (redis-py and Python 3.11's wait_for may
-    swallow one that lands as a connection completes), so a task still running is cancelled again."""
-    for _ in range(CANCEL_TRIES):
-        running = [task for task in tasks if not task.done()]
-        if not running:
-            break
-        for task in running:
-            task.cancel()
-        await asyncio.wait(running, timeout=CANCEL_WAIT_S)
-    else:
-        log.error("tasks did not stop when cancelled: %s", [task.get_name() for task in tasks if not task.done()])
-    await asyncio.gather(*(task for task in tasks if task.done()), return_exceptions=True)
+    """Cancel and await the tasks (protocol/cancelling.py: a task that swallowed its cancellation is cancelled again)."""
+    left = await cancel_and_wait(tasks, CANCEL_WAITS_S)
+    if left:
+        log.error("tasks did not stop when cancelled: %s", [task.get_name() for task in left])

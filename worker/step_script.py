@@ -35,11 +35,36 @@ the request streams of KEYS), entry id, reply kind (pubsub | spubsub | stream | 
 progress key ("" = none), holder key ("" = none), progress byte offset, progress bytes, finish
 ("1" | "": acknowledge the entry, delete progress and holder), dead letter
 ("1" | ""), and when a dead letter: its msg, code and message].
+
+A published batch is the msgpack of `protocol.encode_event_batch`, put together from the events'
+own bytes: the map's header up to the `events` array is taken from that encoder, so it follows the
+protocol's version, and the array's header (`ARRAY_HEADER_LUA`) is held to msgpack's own by
+tests/worker/test_step_script.py.
 """
 
 from __future__ import annotations
 
-LUA = r"""
+from protocol import encode_event_batch
+
+# msgpack of {"v": VERSION, "events": []}, less its last byte (the empty array's header).
+_BATCH_PREFIX = encode_event_batch([])[:-1]
+if encode_event_batch([])[-1:] != b"\x90":
+    raise RuntimeError("a batch's map must end with its events array, where the script appends the events")
+
+ARRAY_HEADER_LUA = r"""
+local function array_header(n)
+  if n < 16 then return string.char(0x90 + n) end
+  if n < 65536 then return string.char(0xdc, math.floor(n / 256), n % 256) end
+  return string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256)
+end
+"""
+
+LUA = (
+    ARRAY_HEADER_LUA
+    + "local batch_prefix = '"
+    + "".join(f"\\{byte:03d}" for byte in _BATCH_PREFIX)
+    + "'\n"
+    + r"""
 local dead_stream, applied_key = KEYS[1], KEYS[2]
 local group, me, step, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local reply_maxlen, dead_maxlen, message_limit = ARGV[5], ARGV[6], tonumber(ARGV[7])
@@ -52,12 +77,6 @@ local function owner(stream, entry)
   local pending = redis.pcall('XPENDING', stream, group, entry, entry, 1)
   if type(pending) ~= 'table' or pending.err or #pending == 0 then return nil end
   return pending[1][2]
-end
-
-local function array_header(n)
-  if n < 16 then return string.char(0x90 + n) end
-  if n < 65536 then return string.char(0xdc, math.floor(n / 256), n % 256) end
-  return string.char(0xdd, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256)
 end
 
 local function failed(result)
@@ -105,7 +124,7 @@ for _, r in ipairs(records) do
   end
 end
 local function publish(c, first, last)
-  local batch = '\130\161v\001\166events' .. array_header(last - first + 1) .. table.concat(c.events, '', first, last)
+  local batch = batch_prefix .. array_header(last - first + 1) .. table.concat(c.events, '', first, last)
   local err = failed(redis.pcall(c.command, c.key, batch))
   if err then for _, r in ipairs(c.records) do r.status, r.detail = 'denied', err end end
 end
@@ -156,6 +175,7 @@ for _, r in ipairs(records) do
 end
 return answer
 """
+)
 
 KEEP_LUA = r"""
 -- Reset the idle time of the entries this consumer still owns; answer the ones it no longer owns.

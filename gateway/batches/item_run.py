@@ -1,9 +1,8 @@
 """One run of one batch item: its events read from its reply stream, folded into an answer or an end.
 
-The rules are those a live client's relay follows (gateway/generation.py): a delta whose `offset`
-is below the tokens already taken repeats them (a re-run after a worker death) and is dropped;
-one above it, or a `done` that counts more tokens than arrived, means events were lost. A lost
-answer is never written as a result: the runner runs the item again. The reply stream is durable,
+The token order rules are those a live client's relay follows (gateway/token_order.py): a repeated
+delta is dropped, and a hole means events were lost. A lost answer is never written as a result:
+the runner runs the item again. The reply stream is durable,
 so a gateway that takes over a batch reads each run from the stream's start and gets the same.
 """
 
@@ -12,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..token_order import token_gap
 
 
 @dataclass(frozen=True)
@@ -43,18 +44,17 @@ class ItemRun:
         if kind == "delta":
             return self._delta(event)
         if kind == "done":
-            completion = int((event.get("usage") or {}).get("completion_tokens", 0))
-            return Ended("lost") if completion > self.tokens else Ended("done", event)
+            return Ended("lost") if token_gap(event, self.tokens) > 0 else Ended("done", event)
         if kind == "error":
             return Ended("error", event)
         return None  # `started`, and kinds a later worker may add
 
     def _delta(self, event: dict[str, Any]) -> Ended | None:
-        offset = int(event.get("offset", 0))
         token_ids = list(event.get("token_ids") or [])
-        if offset < self.tokens:
+        gap = token_gap(event, self.tokens)
+        if gap < 0:
             return None
-        if offset > self.tokens:
+        if gap > 0:
             return Ended("lost")
         self.tokens += len(token_ids)
         self.texts.append(str(event.get("text", "")))

@@ -86,7 +86,7 @@ class BatchRunner:
         self._wake.set()
 
     async def run(self) -> None:
-        """Until `stop`: a flag, not a cancellation, which redis-py and Python 3.11's wait_for may swallow."""
+        """Until `stop`: a flag, not a cancellation, which redis-py may swallow (protocol/cancelling.py)."""
         while not self._stopping:
             await self._take_batches()
             with contextlib.suppress(TimeoutError):

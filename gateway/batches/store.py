@@ -50,7 +50,7 @@ import redis.asyncio as aioredis
 
 import protocol
 from protocol.keys import Shard
-from protocol.redis_client import transaction
+from protocol.redis_client import reply_text, transaction
 from protocol.request_groups import RequestGroups
 
 RETENTION_S = 30 * 86_400  # ended batches, their results and files are kept this long (OpenAI: 30 days)
@@ -156,12 +156,6 @@ def valid_id(kind: str, text: str) -> bool:
     return ID_PATTERNS[kind].fullmatch(text) is not None
 
 
-def _text(value: bytes | str | None) -> str:
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else value
-
-
 @dataclass
 class Run:
     """An item's run in the queue: which attempt, and where its entry is."""
@@ -178,7 +172,7 @@ class Batch:
 
     @classmethod
     def from_hash(cls, batch_id: str, raw: dict) -> Batch:
-        return cls(batch_id, {_text(k): _text(v) for k, v in raw.items()})
+        return cls(batch_id, {reply_text(k): reply_text(v) for k, v in raw.items()})
 
     @property
     def api(self) -> str:
@@ -312,7 +306,7 @@ class BatchStore:
         if not valid_id("file", file_id):
             return None
         raw = await self.redis.hgetall(self.home.file_key(file_id))
-        record = FileRecord(file_id, {_text(k): _text(v) for k, v in raw.items()}) if raw else None
+        record = FileRecord(file_id, {reply_text(k): reply_text(v) for k, v in raw.items()}) if raw else None
         return record if record is not None and record.owner == owner else None
 
     async def file_chunks(self, file_id: str, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
@@ -398,7 +392,7 @@ class BatchStore:
 
     async def cancel(self, batch_id: str) -> str:
         """Ask for cancellation; the batch's status afterwards."""
-        return _text(await self._cancel(keys=[self.home.batch_key(batch_id)], args=[repr(time.time())]))
+        return reply_text(await self._cancel(keys=[self.home.batch_key(batch_id)], args=[repr(time.time())]))
 
     async def delete_batch(self, batch: Batch) -> None:
         parts = ("", "items", "inflight", "results", "lease")
@@ -420,7 +414,7 @@ class BatchStore:
         await pipe.execute()
 
     async def active(self) -> list[str]:
-        return sorted(_text(member) for member in await self.redis.smembers(self.home.active_batches))
+        return sorted(reply_text(member) for member in await self.redis.smembers(self.home.active_batches))
 
     async def items(self, batch_id: str, start: int, count: int) -> list[dict[str, Any]]:
         return [
@@ -442,7 +436,7 @@ class BatchStore:
         raw = await self.redis.hgetall(self.home.batch_key(batch_id, "inflight"))
         runs = {}
         for index, value in raw.items():
-            attempt, stream, entry_id = _text(value).split(" ")
+            attempt, stream, entry_id = reply_text(value).split(" ")
             runs[int(index)] = Run(int(attempt), stream, entry_id)
         return runs
 
@@ -457,7 +451,7 @@ class BatchStore:
         entry_id = await self._enqueue_script(
             gateway_id, batch_id, index, stream, [attempt, request.encode(), "" if retries is None else str(retries)]
         )
-        return Run(attempt, stream, _text(entry_id)) if entry_id else None
+        return Run(attempt, stream, reply_text(entry_id)) if entry_id else None
 
     async def pass_over(self, gateway_id: str, batch_id: str, index: int) -> bool:
         """Move past a new item that cannot run (its outcome is written): what `enqueue` checks, no XADD."""
@@ -538,7 +532,7 @@ class BatchStore:
                 return [], False
             start = max(0, rank - limit)
             ids = await self.redis.zrevrange(index, start, rank - 1)
-            return [_text(i) for i in ids], start > 0
+            return [reply_text(i) for i in ids], start > 0
         start = 0
         if after:
             rank = await self.redis.zrevrank(index, after)
@@ -546,4 +540,4 @@ class BatchStore:
                 return [], False
             start = rank + 1
         ids = await self.redis.zrevrange(index, start, start + limit)
-        return [_text(i) for i in ids[:limit]], len(ids) > limit
+        return [reply_text(i) for i in ids[:limit]], len(ids) > limit

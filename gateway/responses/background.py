@@ -37,6 +37,7 @@ from ..errors import ApiError
 from ..generation import Done, Usage
 from ..rate_limits import RateLimiter
 from ..reasoning import Thinking
+from ..token_order import token_gap
 from ..tool_calls import ToolPlan
 from .builder import ResponseBuilder
 from .conversation import output_messages
@@ -64,7 +65,7 @@ class BackgroundRunner:
         self._wake.set()
 
     async def run(self) -> None:
-        """Until `stop`: a flag, not a cancellation, which redis-py and Python 3.11's wait_for may swallow."""
+        """Until `stop`: a flag, not a cancellation, which redis-py may swallow (protocol/cancelling.py)."""
         while not self._stopping:
             await self._take()
             with contextlib.suppress(TimeoutError):
@@ -181,10 +182,10 @@ class Driver:
             self.thinking.started(event)
             return builder.begin(), False
         if kind == "delta":
-            offset, token_ids = int(event.get("offset", 0)), list(event.get("token_ids") or [])
-            if offset < self.tokens:
+            token_ids, gap = list(event.get("token_ids") or []), token_gap(event, self.tokens)
+            if gap < 0:
                 return [], False  # a re-run after a worker death repeating tokens already taken
-            if offset > self.tokens:
+            if gap > 0:
                 return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
             self.tokens += len(token_ids)
             logprobs = event.get("logprobs") if isinstance(event.get("logprobs"), list) else None
@@ -195,7 +196,7 @@ class Driver:
                 builder.cancel()
                 return [], True
             usage = event.get("usage") or {}
-            if int(usage.get("completion_tokens", 0)) > self.tokens:
+            if token_gap(event, self.tokens) > 0:
                 return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
             tail = self.thinking.finish()
             done = Done(

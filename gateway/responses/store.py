@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from protocol.keys import Shard
-from protocol.redis_client import transaction
+from protocol.redis_client import reply_text, transaction
 
 ID = re.compile(r"resp_[0-9a-f]{32}")
 ENDED = ("completed", "incomplete", "failed", "cancelled")
@@ -72,12 +72,6 @@ def new_id() -> str:
     return f"resp_{secrets.token_hex(16)}"
 
 
-def _text(value: bytes | str | None) -> str:
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else value
-
-
 class ResponseStore:
     def __init__(self, redis: aioredis.Redis, home: Shard, ttl: int):
         self.redis = redis
@@ -110,7 +104,9 @@ class ResponseStore:
     async def record(self, response_id: str) -> dict[str, str] | None:
         """The record, whoever owns it (for the runner)."""
         raw = await self.redis.hgetall(self.key(response_id))
-        return {_text(k): _text(v) for k, v in raw.items() if k != b"msg"} or None  # msg: msgpack, for the script
+        return {
+            reply_text(k): reply_text(v) for k, v in raw.items() if k != b"msg"
+        } or None  # msg: msgpack, for the script
 
     async def forget(self, response_id: str) -> None:
         """No gateway need drive it (it ended, or was deleted)."""
@@ -149,10 +145,10 @@ class ResponseStore:
     async def enqueue(self, response_id: str, stream: str) -> str | None:
         """XADD a queued background response's request, once whoever asks; its entry id, or None."""
         entry = await self._enqueue(keys=[self.key(response_id), stream])
-        return _text(entry) or None
+        return reply_text(entry) or None
 
     async def cancel(self, response_id: str) -> str:
-        return _text(await self._cancel(keys=[self.key(response_id)]))
+        return reply_text(await self._cancel(keys=[self.key(response_id)]))
 
     # ------------------------------------------------------------ a background response's events
 
@@ -172,7 +168,7 @@ class ResponseStore:
     async def written(self, response_id: str) -> int:
         """How many events are written (the next sequence number)."""
         last = await self.redis.xrevrange(self.key(response_id, "events"), count=1)
-        return int(_text(last[0][0]).split("-")[1]) if last else 0
+        return int(reply_text(last[0][0]).split("-")[1]) if last else 0
 
     async def events(self, response_id: str, after: int, block_ms: int) -> list[dict[str, Any]]:
         """The events after sequence number `after`, waiting up to `block_ms` for one."""
@@ -183,7 +179,7 @@ class ResponseStore:
     # ------------------------------------------------------------ driving background responses
 
     async def active(self) -> list[str]:
-        return sorted(_text(member) for member in await self.redis.smembers(self.active_key))
+        return sorted(reply_text(member) for member in await self.redis.smembers(self.active_key))
 
     async def take_lease(self, response_id: str, gateway_id: str, ms: int) -> bool:
         return bool(await self.redis.set(self.key(response_id, "lease"), gateway_id, nx=True, px=ms))

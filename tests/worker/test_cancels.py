@@ -46,7 +46,7 @@ async def test_a_cancel_without_the_requests_token_does_not_stop_it(tiny, redis_
         await wait_for(lambda: _deltas(redis_client, "out:job-77", 1), what="a first delta")
         await redis_client.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message("job-77"))  # no token
         await redis_client.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message("job-77", TOKEN_B))  # another's
-        heard = lambda: _true(("job-77", protocol.cancel_digest(TOKEN_B)) in worker._early_cancels)  # noqa: E731
+        heard = lambda: _true(("job-77", protocol.cancel_digest(TOKEN_B)) in worker.table.early_cancels)  # noqa: E731
         await wait_for(heard, what="both cancellations to reach the worker")
         streamed = len(streamed_tokens(await reply_events(redis_client, "out:job-77")))
         await wait_for(lambda: _deltas(redis_client, "out:job-77", streamed + 3), what="generation to go on")
@@ -65,7 +65,7 @@ async def test_an_early_cancel_reaches_only_the_request_with_its_token(tiny, red
             protocol.cancel_message("order-43", TOKEN_A),
         ):
             await redis_client.publish(protocol.CANCEL_CHANNEL, cancel)
-        heard = lambda: _true(("order-43", protocol.cancel_digest(TOKEN_A)) in worker._early_cancels)  # noqa: E731
+        heard = lambda: _true(("order-43", protocol.cancel_digest(TOKEN_A)) in worker.table.early_cancels)  # noqa: E731
         await wait_for(heard, what="the cancellations to reach the worker")
         await enqueue(redis_client, owned_request("order-42", TOKEN_A, max_tokens=6))
         await enqueue(redis_client, owned_request("order-43", TOKEN_A, max_tokens=200))
@@ -92,7 +92,7 @@ async def test_a_flood_of_cancels_for_unknown_ids_does_not_hold_up_a_real_one(ti
         await redis_client.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message("victim", TOKEN_A))
         events = await final_events(redis_client, "out:victim")
         took = time.monotonic() - sent
-        assert len(worker._early_cancels) == 40_000
+        assert len(worker.table.early_cancels) == 40_000
     assert events[-1]["finish_reason"] == "cancelled"
     assert took < 20.0, f"the flood and the cancel behind it took {took:.1f} s"
 

@@ -77,7 +77,7 @@ async def test_a_cancel_that_arrives_before_the_request_starts_is_not_lost(tiny,
     async with running_worker(worker_config(redis_url, "w1"), tiny) as worker:
         await redis_client.publish(protocol.CANCEL_CHANNEL, protocol.cancel_message("early"))
         await wait_for(
-            lambda: _true(("early", None) in worker._early_cancels), what="the cancellation to reach the worker"
+            lambda: _true(("early", None) in worker.table.early_cancels), what="the cancellation to reach the worker"
         )
         await enqueue(redis_client, chat_request("early", max_tokens=200))
         events = await final_events(redis_client, "out:early")

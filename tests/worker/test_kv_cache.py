@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.kv_cache import KVCache, OutOfPages, page_bytes, page_key
+from worker.kv_cache import KVCache, page_bytes
+from worker.pages import OutOfPages, page_key
 
 PAGE = 4
 

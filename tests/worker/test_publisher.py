@@ -21,12 +21,16 @@ from protocol import (
     progress_key,
 )
 from protocol.keys import INTERACTIVE
-from worker.claims import Lane
+from worker.claims import EntryRef, Lane
 from worker.publisher import DEAD_LETTER_PREFIX_BYTES, Publisher
 
 STREAM = "lmq:req:test"
 LANES = [Lane(INTERACTIVE, STREAM)]
 WAIT_S = 60.0  # for a message already published: it comes at once unless the machine is very busy
+
+
+def ref(entry_id: str) -> EntryRef:
+    return EntryRef(INTERACTIVE, entry_id)
 
 
 async def subscribed(redis, channel: str):
@@ -52,8 +56,8 @@ async def publisher(redis_client):
 async def test_one_pubsub_message_per_channel_per_step(publisher, redis_client):
     pubsub = await subscribed(redis_client, "lmq:reply:g1")
     reply = Reply("pubsub", "lmq:reply:g1")
-    publisher.send("1-1", reply, delta_event("a", 0, "Hel", [1, 2], 0))
-    publisher.send("1-2", reply, delta_event("b", 0, "Yo", [3], 0))
+    publisher.send(ref("1-1"), reply, delta_event("a", 0, "Hel", [1, 2], 0))
+    publisher.send(ref("1-2"), reply, delta_event("b", 0, "Yo", [3], 0))
     await publisher.flush()
     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=WAIT_S)
     assert [e["id"] for e in decode_event_batch(message["data"])] == ["a", "b"]
@@ -63,8 +67,8 @@ async def test_one_pubsub_message_per_channel_per_step(publisher, redis_client):
 
 async def test_reply_stream_is_capped_and_expires(publisher, redis_client):
     reply = Reply("stream", "out:r1")
-    publisher.send("1-1", reply, delta_event("r1", 0, "Hi", [5], 0))
-    publisher.send("1-1", reply, done_event("r1", 1, "stop", 3, 1, 0))
+    publisher.send(ref("1-1"), reply, delta_event("r1", 0, "Hi", [5], 0))
+    publisher.send(ref("1-1"), reply, done_event("r1", 1, "stop", 3, 1, 0))
     await publisher.flush()
     entries = await redis_client.xrange("out:r1")
     assert [decode_event(fields[b"msg"])["type"] for _, fields in entries] == ["delta", "done"]
@@ -73,14 +77,14 @@ async def test_reply_stream_is_capped_and_expires(publisher, redis_client):
 
 async def test_progress_is_recorded_then_forgotten_with_the_ack(publisher, redis_client):
     await redis_client.xgroup_create(STREAM, REQUEST_GROUP, id="0", mkstream=True)
-    entry_id = (await redis_client.xadd(STREAM, {"msg": b"x"})).decode()
+    entry = ref((await redis_client.xadd(STREAM, {"msg": b"x"})).decode())
     await redis_client.xreadgroup(REQUEST_GROUP, "w1", {STREAM: ">"})
-    publisher.record_progress(entry_id, "r1", 0, [7, 8])
+    publisher.record_progress(entry, "r1", 0, [7, 8])
     await publisher.flush()
-    publisher.record_progress(entry_id, "r1", 2, [9])
+    publisher.record_progress(entry, "r1", 2, [9])
     await publisher.flush()
     assert decode_progress(await redis_client.get(progress_key("r1"))) == [7, 8, 9]
-    publisher.finish(entry_id, "r1")
+    publisher.finish(entry, "r1")
     await publisher.flush()
     assert not await redis_client.exists(progress_key("r1"))
     assert await redis_client.xlen(STREAM) == 0
@@ -94,8 +98,8 @@ async def test_a_refused_reply_fails_its_request_alone(redis_client):
     await redis_client.set("not-a-stream", "x")
     denied = await _owned_entry(redis_client, "w1")
     publisher.send(denied, Reply("stream", "not-a-stream"), delta_event("r1", 0, "Hi", [5], 0))
-    publisher.send("1-2", Reply("stream", "out:r2"), delta_event("r2", 0, "Yo", [6], 0))
-    publisher.dead_letter("1-3", b"\xff", "bad_request", "not msgpack")
+    publisher.send(ref("1-2"), Reply("stream", "out:r2"), delta_event("r2", 0, "Yo", [6], 0))
+    publisher.dead_letter(ref("1-3"), b"\xff", "bad_request", "not msgpack")
     await publisher.flush()
     task.cancel()
     assert [(entry, status) for entry, status, _ in refused] == [(denied, "denied")]
@@ -111,32 +115,32 @@ async def test_a_batch_of_many_events_is_the_protocols_own_encoding(publisher, r
     pubsub = await subscribed(redis_client, "lmq:reply:g1")
     events = [delta_event(f"r{i}", 0, "x", [i], 0) for i in range(20)]  # past msgpack's 15-item fixarray
     for i, event in enumerate(events):
-        publisher.send(f"1-{i}", Reply("pubsub", "lmq:reply:g1"), event)
+        publisher.send(ref(f"1-{i}"), Reply("pubsub", "lmq:reply:g1"), event)
     await publisher.flush()
     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=WAIT_S)
     assert message["data"] == encode_event_batch(events)
     await pubsub.aclose()
 
 
-async def _owned_entry(redis, consumer: str) -> str:
+async def _owned_entry(redis, consumer: str) -> EntryRef:
     await redis.xgroup_create(STREAM, REQUEST_GROUP, id="0", mkstream=True)
     entry_id = (await redis.xadd(STREAM, {"msg": b"x"})).decode()
     await redis.xreadgroup(REQUEST_GROUP, consumer, {STREAM: ">"})
-    return entry_id
+    return ref(entry_id)
 
 
 async def test_a_worker_that_lost_its_entry_writes_nothing_for_it(redis_client):
     refused = []
     stale = Publisher(redis_client, LANES, "stale", on_refused=lambda *args: refused.append(args))
     task = asyncio.create_task(stale.run())
-    entry_id = await _owned_entry(redis_client, "stale")
-    await redis_client.xclaim(STREAM, REQUEST_GROUP, "new-owner", 0, [entry_id])  # taken over while stale stalled
-    stale.send(entry_id, Reply("stream", "out:r1"), delta_event("r1", 3, "late", [9], 3))
-    stale.record_progress(entry_id, "r1", 3, [9])
-    stale.finish(entry_id, "r1")
+    entry = await _owned_entry(redis_client, "stale")
+    await redis_client.xclaim(STREAM, REQUEST_GROUP, "new-owner", 0, [entry.entry_id])  # taken over while stale stalled
+    stale.send(entry, Reply("stream", "out:r1"), delta_event("r1", 3, "late", [9], 3))
+    stale.record_progress(entry, "r1", 3, [9])
+    stale.finish(entry, "r1")
     await stale.flush()
     task.cancel()
-    assert [(entry, status) for entry, status, _ in refused] == [(entry_id, "lost")]
+    assert [(entry, status) for entry, status, _ in refused] == [(entry, "lost")]
     assert not await redis_client.exists("out:r1", progress_key("r1"))
     [pending] = await redis_client.xpending_range(STREAM, REQUEST_GROUP, min="-", max="+", count=10)
     assert pending["consumer"] == b"new-owner"
@@ -145,9 +149,9 @@ async def test_a_worker_that_lost_its_entry_writes_nothing_for_it(redis_client):
 async def test_a_step_sent_twice_is_written_once(redis_client):
     """A retry after a lost reply (the script ran, its answer did not arrive) must not duplicate anything."""
     publisher = Publisher(redis_client, LANES, "w1")
-    entry_id = await _owned_entry(redis_client, "w1")
-    publisher.send(entry_id, Reply("stream", "out:r1"), delta_event("r1", 0, "Hi", [5], 0))
-    publisher.record_progress(entry_id, "r1", 0, [5])
+    entry = await _owned_entry(redis_client, "w1")
+    publisher.send(entry, Reply("stream", "out:r1"), delta_event("r1", 0, "Hi", [5], 0))
+    publisher.record_progress(entry, "r1", 0, [5])
     writes = publisher._pending
     await publisher._send(writes)
     publisher._step -= 1  # the same step again, as the retry loop sends it
@@ -160,10 +164,10 @@ async def test_a_refused_reply_is_dead_lettered_once_whatever_follows(redis_clie
     """Steps already queued for a request whose reply was refused must not dead-letter it again."""
     publisher = Publisher(redis_client, LANES, "w1")
     task = asyncio.create_task(publisher.run())
-    entry_id = await _owned_entry(redis_client, "w1")
+    entry = await _owned_entry(redis_client, "w1")
     await redis_client.set("not-a-stream", "x")
     for token in range(3):
-        publisher.send(entry_id, Reply("stream", "not-a-stream"), delta_event("r1", token, "x", [token], token))
+        publisher.send(entry, Reply("stream", "not-a-stream"), delta_event("r1", token, "x", [token], token))
         await publisher.flush()
     task.cancel()
     assert [fields[b"code"] for _, fields in await redis_client.xrange(DEAD_LETTER_STREAM)] == [b"reply_denied"]
@@ -185,8 +189,8 @@ async def test_a_step_over_shards_writes_each_shard_with_its_own_keys(redis_clie
     for lane in (first, second):
         await redis_client.xadd(lane.stream, {"msg": b"x"})
         [entry] = await streams.read_new(lane.name, 1, 100)
-        handles.append(entry.entry_id)
-    assert handles[0] != handles[1] and "/" in handles[1]  # the second shard's entries carry their lane
+        handles.append(entry.ref)
+    assert handles[0] != handles[1] and handles[1].lane == second.name  # the second shard's entries carry their lane
     publisher = Publisher(redis_client, lanes, "w1")
     task = asyncio.create_task(publisher.run())
     try:
@@ -217,8 +221,8 @@ async def test_a_sharded_pubsub_reply_is_spublished(publisher, redis_client):
     await pubsub.ssubscribe("lmq:reply:s1")
     assert (await pubsub.get_message(timeout=WAIT_S))["type"] == "ssubscribe"
     plain = await subscribed(redis_client, "lmq:reply:s1")
-    publisher.send("1-1", Reply("spubsub", "lmq:reply:s1"), delta_event("a", 0, "Hi", [1], 0))
-    publisher.send("1-2", Reply("spubsub", "lmq:reply:s1"), delta_event("b", 0, "Yo", [2], 0))
+    publisher.send(ref("1-1"), Reply("spubsub", "lmq:reply:s1"), delta_event("a", 0, "Hi", [1], 0))
+    publisher.send(ref("1-2"), Reply("spubsub", "lmq:reply:s1"), delta_event("b", 0, "Yo", [2], 0))
     await publisher.flush()
     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=WAIT_S)
     assert message["type"] == "smessage" and [e["id"] for e in decode_event_batch(message["data"])] == ["a", "b"]
@@ -244,8 +248,8 @@ async def test_a_step_whose_events_exceed_the_message_limit_is_split_and_each_me
     pubsub = await subscribed(redis_client, "lmq:reply:g1")
     reply = Reply("pubsub", "lmq:reply:g1")
     for index, name in enumerate("abc"):
-        publisher.send(f"1-{index + 1}", reply, delta_event(name, 0, "x" * 400_000, [1], 0))
-    publisher.send("1-4", reply, delta_event("d", 0, "small", [2], 0))
+        publisher.send(ref(f"1-{index + 1}"), reply, delta_event(name, 0, "x" * 400_000, [1], 0))
+    publisher.send(ref("1-4"), reply, delta_event("d", 0, "small", [2], 0))
     await publisher.flush()
     messages = await _messages(pubsub, 2)
     assert all(len(data) <= MAX_MESSAGE_BYTES for data in messages)
@@ -259,7 +263,7 @@ async def test_an_event_too_large_for_any_message_fails_its_own_request_alone(re
     """A tokenize answer of 1.25 MB beside three streams' deltas: the streams' events arrive, the big
     request gets a `too_large` error instead, its entry is acknowledged, and it is reported refused."""
     await redis_client.xgroup_create(STREAM, REQUEST_GROUP, id="0", mkstream=True)
-    entries = [(await redis_client.xadd(STREAM, {"msg": b"x"})).decode() for _ in range(4)]
+    entries = [ref((await redis_client.xadd(STREAM, {"msg": b"x"})).decode()) for _ in range(4)]
     await redis_client.xreadgroup(REQUEST_GROUP, "w1", {STREAM: ">"}, count=4)
     refused = []
     publisher = Publisher(redis_client, LANES, "w1", on_refused=lambda *args: refused.append(args))
@@ -291,8 +295,8 @@ async def test_an_event_too_large_for_any_message_fails_its_own_request_alone(re
 
 async def test_a_dead_letter_keeps_a_bounded_prefix_of_a_huge_entry(publisher, redis_client):
     raw = b"\xc1" * (16 << 20)
-    publisher.dead_letter("1-1", raw, "too_large", "message is 16 MiB")
-    publisher.finish("1-1", None)
+    publisher.dead_letter(ref("1-1"), raw, "too_large", "message is 16 MiB")
+    publisher.finish(ref("1-1"), None)
     await publisher.flush()
     [(_, fields)] = await redis_client.xrange(DEAD_LETTER_STREAM)
     assert fields[b"msg"] == raw[:DEAD_LETTER_PREFIX_BYTES]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 from worker.kv_cache import KVCache
@@ -147,3 +150,12 @@ def test_removing_sequences_frees_every_page() -> None:
     for s in sequences:
         scheduler.remove(s)
     assert scheduler.kv.num_free == 8 and not scheduler.has_work()
+
+
+def test_the_scheduler_imports_no_torch() -> None:
+    """It plans with page numbers alone (worker/pages.py); the tensors stay with the step backends."""
+    probe = (
+        "import sys, worker.scheduler; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
