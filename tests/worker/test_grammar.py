@@ -16,7 +16,7 @@ import jsonschema
 import llguidance
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
@@ -93,9 +93,10 @@ def prompt(model: LoadedModel, text: str = "The user asks") -> list[int]:
 def no_whitespace_runs(model: LoadedModel) -> dict[int, float]:
     """A bias against tokens that are only whitespace. A random model otherwise fills every gap
     the JSON grammar allows and rarely finishes within the tiny context; what the grammar allows
-    does not depend on the bias, so the property tested is the same."""
+    does not depend on the bias, so the property tested is the same. The bias all but forbids them:
+    at -8, temperature 1.6 (seed 28256440, top_p 0.9) still wrote tabs until max_tokens."""
     table = token_bytes(model.tokenizer)
-    return {token: -8.0 for token, raw in enumerate(table) if raw and not raw.strip()}
+    return {token: -100.0 for token, raw in enumerate(table) if raw and not raw.strip()}
 
 
 def json_schema(schema: dict) -> dict:
@@ -255,6 +256,7 @@ def test_masked_rows_sample_only_allowed_tokens_and_other_rows_are_untouched(
 
 @pytest.mark.timeout(900)  # 15 engine runs of 3 constrained and one free sequence; the watchdog catches a hang
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(seed=28256440, temperature=1.6, top_k=0, top_p=0.9)  # ran to max_tokens on tabs with a -8 bias
 @given(
     seed=st.integers(0, 2**31 - 1),
     temperature=st.sampled_from([0.0, 0.4, 1.0, 1.6]),
