@@ -34,12 +34,6 @@ class ClusterStack(Stack):
         admin = connect_sync(cluster.url, socket_timeout=5, socket_connect_timeout=2)
         self._attach(spec, root, model_dir, cluster.nodes[0], admin, cluster.url)
 
-    def start_worker(self, **settings: str) -> str:
-        """With K shards a worker reads K interactive streams at once, and readers that wake together
-        may take one entry each beyond its free slots (a known limit, worker/service.py `_read_loop`):
-        room for the six streams a test runs, so that they spread over the workers as on one Redis."""
-        return super().start_worker(**{"LMQ_MAX_SEQS": "8", **settings})
-
     @property
     def streams(self) -> list[str]:
         """The interactive request stream of the test model in every shard."""

@@ -461,3 +461,84 @@ async def test_primary_killed_mid_stream_streams_end_exactly_or_visibly_and_the_
             stack.assert_alive()
         finally:
             stack.close()
+
+
+# ---------------------------------------------------------------- admission: a worker takes no more than its room
+
+ADMIT_TOKENS = 64  # at least 64 slowed steps (worker_process.py sleeps each): no request ends for ~4 s
+OBSERVE_S = 1.5  # how long a test watches the first requests run, well inside those ~4 s
+
+
+def ids_one_per_shard(stack: ClusterStack, prefix: str) -> list[str]:
+    """A request id for each shard, in shard order (crc32 of the id picks the shard)."""
+    ids: dict[int, str] = {}
+    n = 0
+    while len(ids) < SHARDS:
+        candidate = f"{prefix}-{n}"
+        ids.setdefault(stack.layout.for_request(candidate).index, candidate)
+        n += 1
+    return [ids[index] for index in range(SHARDS)]
+
+
+def enqueue_one_per_shard(stack: ClusterStack, prefix: str, prompts: list[str]) -> list[str]:
+    """A foreign request in every shard's stream at once (pub/sub replies that nobody reads)."""
+    ids = ids_one_per_shard(stack, f"{prefix}-{uuid.uuid4().hex[:6]}")
+    with stack.admin.pipeline(transaction=False) as pipe:
+        for index, (request_id, prompt) in enumerate(zip(ids, prompts)):
+            request = foreign_request(
+                request_id, prompt, "myapp:admitted", reply_kind="pubsub", max_tokens=ADMIT_TOKENS
+            )
+            pipe.xadd(stack.layout.shards[index].request_stream(MODEL), {"msg": msgpack.packb(request)})
+        pipe.execute()
+    return ids
+
+
+def held(stack: ClusterStack) -> dict[str, int]:
+    """Worker -> entries pending for it, over every shard."""
+    counts: dict[str, int] = {}
+    for entry in stack.pending():
+        counts[entry["consumer"].decode()] = counts.get(entry["consumer"].decode(), 0) + 1
+    return counts
+
+
+async def watch_holdings(stack: ClusterStack, until_held: int) -> dict[str, int]:
+    """Each worker's largest holding, seen from when `until_held` entries are held in all until OBSERVE_S
+    later: a span in which no request can end (ADMIT_TOKENS slowed steps each), so a holding above a
+    worker's slots is an overshoot, never an entry finished but not yet acknowledged."""
+    await eventually(lambda: sum(held(stack).values()) >= until_held, f"{until_held} entries taken", 30, stack)
+    most: dict[str, int] = {}
+    deadline = asyncio.get_running_loop().time() + OBSERVE_S
+    while asyncio.get_running_loop().time() < deadline:
+        for worker, count in held(stack).items():
+            most[worker] = max(most.get(worker, 0), count)
+        await asyncio.sleep(0.05)
+    return most
+
+
+async def test_a_worker_reading_every_shard_takes_no_more_than_its_free_slots(ready, pool):
+    """Six requests, one in each shard's stream, for an idle worker of two slots: its six readers wake
+    at once, and together they take two; the other four wait in their streams and run as slots free up.
+    (Each reader once took up to the free slots: the worker took all six.)"""
+    stack = ready
+    for name in list(stack.workers):
+        stack.kill_worker(name)  # the next test's prepare() starts the usual two again
+    worker = stack.start_worker(LMQ_MAX_SEQS="2")
+    await eventually(lambda: stack.heartbeating([worker]), "the two-slot worker's heartbeat", 60, stack)
+    enqueue_one_per_shard(stack, "two-slots", list(pool.take(SHARDS)))
+    most = await watch_holdings(stack, until_held=2)
+    assert most == {worker: 2}, f"a two-slot worker held {most}\n{stack.log_tails()}"
+    await eventually(lambda: stack.clean(), "all six answered, every shard's stream empty", 90, stack)
+
+
+async def test_six_requests_over_two_four_slot_workers_none_holds_more_than_four(ready, pool):
+    """The load-balancing promise on a cluster: with 2 workers of 4 slots, 6 requests in 6 shards are
+    split so that neither holds more than its 4 (one took 5 of 6 while the other idled)."""
+    stack = ready
+    for name in list(stack.workers):
+        stack.kill_worker(name)
+    workers = [stack.start_worker(LMQ_MAX_SEQS="4") for _ in range(2)]
+    await eventually(lambda: stack.heartbeating(workers), "both workers' heartbeats", 60, stack)
+    enqueue_one_per_shard(stack, "four-slots", list(pool.take(SHARDS)))
+    most = await watch_holdings(stack, until_held=SHARDS)
+    assert set(most) == set(workers) and max(most.values()) <= 4, f"holdings {most}\n{stack.log_tails()}"
+    await eventually(lambda: stack.clean(), "all six answered, every shard's stream empty", 90, stack)
