@@ -215,10 +215,11 @@ class Stack:
         self.workers.append(name)
         return name
 
-    def start_gateway(self) -> str:
+    def start_gateway(self, port: int | None = None) -> str:
+        """A gateway on `port` (default: a free one; a restarted gateway takes its predecessor's)."""
         self._started += 1
         name = f"gateway-{self._started}"
-        port = free_tcp_port()
+        port = port or free_tcp_port()
         environment = {**_clean_environment(), **GATEWAY_SETTINGS, "REDIS_URL": self.url, "PORT": str(port)}
         self.processes.start(name, [str(LMQ), "gateway"], environment)
         self.gateways.append(name)
