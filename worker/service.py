@@ -32,6 +32,7 @@ from protocol.keys import BATCH, INTERACTIVE
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from worker import compute_thread
 from worker.admission import AdmissionBudget
+from worker.affinity import ShardAffinity
 from worker.cancel_memory import CancelMemory
 from worker.chat_render import tool_calls_grammar
 from worker.claims import Entry, RequestStreams, is_missing_group, model_lanes
@@ -87,6 +88,7 @@ class Worker:
         self.shards = shard_layout(config.redis_url)
         lanes = model_lanes(self.shards, self.model_name)
         self.stream = RequestStreams(redis, lanes, config.worker_id)
+        self.affinity = ShardAffinity(self.stream.lanes, len(self.shards.shards), config.worker_id)
         self.publisher = Publisher(
             redis, lanes, config.worker_id, on_refused=self._on_refused, on_written=self._on_written
         )
@@ -131,6 +133,9 @@ class Worker:
             asyncio.create_task(self._listen_for_cancels(), name="cancels"),
             asyncio.create_task(self._keep_loop(), name="keep"),
         ]
+        if len(self.shards.shards) > 1:
+            follow = self.affinity.follow(self.redis, self.shards.home, self.model_name)
+            background.append(asyncio.create_task(follow, name="affinity"))
         intake = [
             asyncio.create_task(self._read_loop(), name="read"),
             asyncio.create_task(self._claim_loop(), name="claim"),
@@ -184,6 +189,9 @@ class Worker:
         entry holding no slot (so another lane's reader may use them meanwhile)."""
         priority = self.stream.lanes[lane].priority
         while True:
+            if not self.affinity.may_read(lane):  # another worker's shard, while ours have work
+                await self.affinity.changed()
+                continue
             slots = self.budget.take(self._room_for(priority))
             if slots <= 0:
                 self._room.clear()
@@ -196,6 +204,7 @@ class Worker:
                 await self._recover_from(exc)
                 continue
             self.budget.give_back(slots - len(entries))
+            self.affinity.found(lane, bool(entries))
             try:
                 if entries:
                     await self._admit_all(entries, claimed=False)

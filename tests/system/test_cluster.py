@@ -542,3 +542,39 @@ async def test_six_requests_over_two_four_slot_workers_none_holds_more_than_four
     most = await watch_holdings(stack, until_held=SHARDS)
     assert set(most) == set(workers) and max(most.values()) <= 4, f"holdings {most}\n{stack.log_tails()}"
     await eventually(lambda: stack.clean(), "all six answered, every shard's stream empty", 90, stack)
+
+
+async def test_a_backlog_in_one_worker_s_shard_is_shared_with_a_worker_whose_own_shards_are_empty(ready, pool):
+    """Shard affinity (worker/affinity.py) keeps the pull model's promise: four requests in shard 0,
+    which the first of two workers prefers, and both workers have two slots: the second, whose own
+    shards hold nothing, takes two of them, so neither idles while the other has a backlog."""
+    stack = ready
+    for name in list(stack.workers):
+        stack.kill_worker(name)
+    workers = [stack.start_worker(LMQ_MAX_SEQS="2") for _ in range(2)]
+    await eventually(lambda: stack.heartbeating(workers), "both workers' heartbeats", 60, stack)
+    halves = ("prefers shards [0, 2, 4] of 6", "prefers shards [1, 3, 5] of 6")
+    await eventually(
+        lambda: (
+            sorted(half for half in halves for name in workers if half in stack.processes.log_text(name))
+            == sorted(halves)
+        ),
+        "each worker preferring its half of the shards",
+        30,
+        stack,
+    )
+    stream = stack.layout.shards[0].request_stream(MODEL)
+    with stack.admin.pipeline(transaction=False) as pipe:
+        for i, prompt in enumerate(pool.take(4)):
+            request = foreign_request(
+                f"backlog-{uuid.uuid4().hex[:6]}-{i}",
+                prompt,
+                "myapp:admitted",
+                reply_kind="pubsub",
+                max_tokens=ADMIT_TOKENS,
+            )
+            pipe.xadd(stream, {"msg": msgpack.packb(request)})
+        pipe.execute()
+    most = await watch_holdings(stack, until_held=4)
+    assert most == dict.fromkeys(workers, 2), f"holdings {most}\n{stack.log_tails()}"
+    await eventually(lambda: stack.clean(), "all four answered, the stream empty", 90, stack)
