@@ -334,6 +334,11 @@ class Worker:
     # ------------------------------------------------------------ from entry to engine
 
     async def _admit(self, entry: Entry, *, claimed: bool) -> None:
+        if claimed and self._running_entry(entry.entry_id):
+            # Claimed back from ourselves (XAUTOCLAIM does not skip the caller's own entries: we stalled
+            # past the claim time); it runs here already, and the claim only made it ours again.
+            log.info("entry %s claimed back while running here: it goes on", entry.entry_id)
+            return
         raw = entry.fields.get(b"msg", b"")
         try:
             request = decode_request(raw)
@@ -374,6 +379,9 @@ class Worker:
                 seq=len(streamed),
                 forget=forget,
             )
+
+    def _running_entry(self, entry_id: str) -> bool:
+        return any(running.entry_id == entry_id for running in self.table.running.values())
 
     async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
         """For an entry taken over from a dead worker: the tokens it streamed, unless it ran too often."""
