@@ -5,6 +5,9 @@ Every `interval_s`: the resident memory of each process (gateway, workers, Redis
 streams, dead letters) and how long the request queue is (entries, pending). All must stay flat: a
 key kind that only grows, or a queue that does not drain, is a leak.
 
+Batch and file records are counted apart: they are kept for their retention (30 days), so they
+grow with every batch job by design, and Redis's `used_memory` with them.
+
 At the end, with traffic stopped and every request over: the request streams empty with nothing
 pending, and every short-lived key carrying a TTL (a key without one would stay for ever).
 """
@@ -26,6 +29,11 @@ SHORT_LIVED = {
     "foreign_reply": "soak:reply:*",
     "batch_reply": "lmq:batch:*:reply:*",
 }
+
+# kept on purpose for their retention (gateway/batches/store.py RETENTION_S, 30 days): they grow with
+# every batch job, and account for Redis's used_memory growing while batch jobs run
+RETAINED = {"batch": "lmq:batch:batch_*", "file": "lmq:file:file-*"}
+RETAINED_EXCLUDE = (":reply:", ":data", ":items", ":results", ":inflight", ":lease")
 
 
 def rss_mib(pid: int) -> float | None:
@@ -64,11 +72,17 @@ class ResourceSampler:
                 "rss_mib": {name: rss_mib(pid) for name, pid in self.stack.pids().items()},
                 "redis_used_memory_mib": round(admin.info("memory")["used_memory"] / 2**20, 2),
                 "keys": keys,
+                "retained": {kind: self._count_records(pattern) for kind, pattern in RETAINED.items()},
                 "queue": self.stack.queue(),
                 "dead_letters": self.stack.dead_letter_count(),
             }
         except (RedisError, OSError):
             return None  # Redis down for a fault: skip this sample
+
+    def _count_records(self, pattern: str) -> int:
+        """Batch or file records (their hashes, not their parts)."""
+        keys = self.stack.admin.scan_iter(match=pattern, count=1000)
+        return sum(1 for key in keys if not any(part in key.decode(errors="replace") for part in RETAINED_EXCLUDE))
 
     def leftovers(self) -> list[str]:
         """What is left that should not be: queued or pending entries, short-lived keys without a TTL."""
@@ -98,6 +112,7 @@ class ResourceSampler:
             },
             "keys": {kind: [s["keys"][kind] for s in picks] for kind in SHORT_LIVED},
             "keys_max": {kind: max(s["keys"][kind] for s in self.samples) for kind in SHORT_LIVED},
+            "retained": {kind: [s["retained"][kind] for s in picks] for kind in RETAINED},
             "queue": [s["queue"] for s in picks],
             "dead_letters": [s["dead_letters"] for s in picks],
         }
