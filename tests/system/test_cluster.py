@@ -2,7 +2,7 @@
 
 One EmbeddedCluster (lmq/redis_cluster.py: three Valkey primaries, the slots split as
 `redis-cli --cluster create` splits them, K = 6 request shards) for the module, and a
-tests/support/cluster_stack.py `ClusterStack` on it: an `lmq gateway` and two worker processes on the
+tests/support/cluster_stack.py process stack on it: an `lmq gateway` and two worker processes on the
 tiny model with slowed steps (tests/support/worker_process.py). The cluster's own behaviour (a script
 touches one slot, PUBLISH reaches a subscriber on any node) is what lmq's sharded layout rests on,
 so it is shown first; then the official OpenAI SDK gets the exact greedy answers, each request
@@ -29,7 +29,7 @@ from redis.exceptions import RedisClusterException, ResponseError
 import protocol
 from lmq.redis_cluster import EmbeddedCluster
 from protocol.keys import sharded
-from tests.support.cluster_stack import ClusterStack
+from tests.support.cluster_stack import cluster_stack
 from tests.support.process_stack import (
     CLAIM_IDLE_MS,
     CLIENT_TIMEOUT_S,
@@ -37,6 +37,7 @@ from tests.support.process_stack import (
     MODEL,
     ChatStream,
     PromptPool,
+    Stack,
     StackSpec,
     assert_contiguous,
     chat_messages,
@@ -63,7 +64,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def stack(cluster: EmbeddedCluster, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
-    built = ClusterStack(
+    built = cluster_stack(
         cluster, StackSpec("cluster", workers=2, gateways=1), tmp_path_factory.mktemp("cluster-stack"), tiny_model_dir
     )
     try:
@@ -73,7 +74,7 @@ def stack(cluster: EmbeddedCluster, tmp_path_factory: pytest.TempPathFactory, ti
 
 
 @pytest.fixture
-async def ready(stack: ClusterStack) -> ClusterStack:
+async def ready(stack: Stack) -> Stack:
     await stack.prepare()
     return stack
 
@@ -400,7 +401,7 @@ async def test_worker_killed_mid_stream_the_other_takes_over_and_every_stream_en
     stack.assert_alive([survivor, *stack.gateways])
 
 
-def _events_end(stack: ClusterStack, key: str) -> bool:
+def _events_end(stack: Stack, key: str) -> bool:
     try:
         return any(protocol.decode_map(fields[b"msg"]).get("type") in TERMINAL for _, fields in stack.admin.xrange(key))
     except redis.RedisError:
@@ -418,7 +419,7 @@ async def test_primary_killed_mid_stream_streams_end_exactly_or_visibly_and_the_
     down); what a client sees must be what a Redis restart gives it: its exact text or a visible
     error, never a hang. Then fresh requests get exact answers and nothing is left pending."""
     with EmbeddedCluster(primaries=3, shards=SHARDS, root=tmp_path / "cluster", node_timeout_ms=1000) as cluster:
-        stack = ClusterStack(
+        stack = cluster_stack(
             cluster, StackSpec("cluster-fault", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir
         )
         try:
@@ -469,7 +470,7 @@ ADMIT_TOKENS = 64  # at least 64 slowed steps (worker_process.py sleeps each): n
 OBSERVE_S = 1.5  # how long a test watches the first requests run, well inside those ~4 s
 
 
-def ids_one_per_shard(stack: ClusterStack, prefix: str) -> list[str]:
+def ids_one_per_shard(stack: Stack, prefix: str) -> list[str]:
     """A request id for each shard, in shard order (crc32 of the id picks the shard)."""
     ids: dict[int, str] = {}
     n = 0
@@ -480,7 +481,7 @@ def ids_one_per_shard(stack: ClusterStack, prefix: str) -> list[str]:
     return [ids[index] for index in range(SHARDS)]
 
 
-def enqueue_one_per_shard(stack: ClusterStack, prefix: str, prompts: list[str]) -> list[str]:
+def enqueue_one_per_shard(stack: Stack, prefix: str, prompts: list[str]) -> list[str]:
     """A foreign request in every shard's stream at once (pub/sub replies that nobody reads)."""
     ids = ids_one_per_shard(stack, f"{prefix}-{uuid.uuid4().hex[:6]}")
     with stack.admin.pipeline(transaction=False) as pipe:
@@ -493,7 +494,7 @@ def enqueue_one_per_shard(stack: ClusterStack, prefix: str, prompts: list[str]) 
     return ids
 
 
-def held(stack: ClusterStack) -> dict[str, int]:
+def held(stack: Stack) -> dict[str, int]:
     """Worker -> entries pending for it, over every shard."""
     counts: dict[str, int] = {}
     for entry in stack.pending():
@@ -501,7 +502,7 @@ def held(stack: ClusterStack) -> dict[str, int]:
     return counts
 
 
-async def watch_holdings(stack: ClusterStack, until_held: int) -> dict[str, int]:
+async def watch_holdings(stack: Stack, until_held: int) -> dict[str, int]:
     """Each worker's largest holding, seen from when `until_held` entries are held in all until OBSERVE_S
     later: a span in which no request can end (ADMIT_TOKENS slowed steps each), so a holding above a
     worker's slots is an overshoot, never an entry finished but not yet acknowledged."""
