@@ -23,6 +23,7 @@ import msgpack
 from bench.soak.ledger import Fault, Ledger
 
 KINDS = ("worker_kill", "worker_stop", "gateway_kill", "redis_restart", "poison")
+SENTINEL_KINDS = ("worker_kill", "worker_stop", "gateway_kill", "sentinel_failover", "poison")
 POISON = ({"other": b"x"}, {"msg": b"\xc1\xc1 no msgpack"}, {"msg": msgpack.packb({"v": 99, "id": "poison"})})
 DEAD_LETTER_WAIT_S = 30.0
 
@@ -86,7 +87,9 @@ class FaultScheduler:
         return "SIGKILL, restarted from its append-only file"
 
     async def sentinel_failover(self) -> str:
-        return await asyncio.to_thread(self.stack.fail_over)
+        detail = await self.stack.fail_over()
+        await self.stack.wait_ready()
+        return detail
 
     async def poison(self) -> str:
         before = await asyncio.to_thread(self.stack.dead_letter_count)

@@ -36,7 +36,7 @@ import aiohttp
 
 from bench.soak.answers import Answer
 from bench.soak.batches import run_batches
-from bench.soak.faults import KINDS, FaultScheduler
+from bench.soak.faults import KINDS, SENTINEL_KINDS, FaultScheduler
 from bench.soak.ledger import Ledger
 from bench.soak.resources import ResourceSampler
 from bench.soak.traffic import (
@@ -62,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="traffic time, after the reference run")
     parser.add_argument("--fault-interval", type=float, default=30.0, help="seconds between two faults")
-    parser.add_argument("--faults", default=",".join(KINDS), help="fault kinds, in turn")
+    parser.add_argument("--topology", choices=["redis", "sentinel"], default="redis",
+                        help="one Redis with its append-only file, or a Sentinel set (1 primary, 1 replica, 3 sentinels)")  # fmt: skip
+    parser.add_argument("--faults", help=f"fault kinds, in turn (default: {','.join(KINDS)}; with a Sentinel set "
+                        f"{','.join(SENTINEL_KINDS)})")  # fmt: skip
     parser.add_argument("--clients", type=int, default=6, help="closed-loop HTTP clients")
     parser.add_argument(
         "--prompts", type=int, default=4, help="distinct prompts (each kind's reference is one run per prompt)"
@@ -152,9 +155,9 @@ class Soak:
             )
             end = time.monotonic() + self.args.minutes * 60
             over: Callable[[], bool] = lambda: time.monotonic() >= end  # noqa: E731
-            scheduler = FaultScheduler(
-                self.stack, self.ledger, self.args.fault_interval, tuple(self.args.faults.split(","))
-            )
+            kinds = SENTINEL_KINDS if self.args.topology == "sentinel" else KINDS
+            kinds = tuple(self.args.faults.split(",")) if self.args.faults else kinds
+            scheduler = FaultScheduler(self.stack, self.ledger, self.args.fault_interval, kinds)
             sampler = ResourceSampler(self.stack, self.args.sample_interval)
             traffic = [asyncio.create_task(self.client(session, target, seed)) for seed in range(self.args.clients)]
             traffic.append(asyncio.create_task(self.foreign(target)))
@@ -224,7 +227,7 @@ async def run_soak(args: argparse.Namespace) -> dict:
     from bench.soak.stack import SoakStack
 
     root = args.root or Path(tempfile.mkdtemp(prefix="lmq-soak-"))
-    with SoakStack(root) as stack:
+    with SoakStack(root, args.topology) as stack:
         await stack.wait_ready()
         report = await Soak(stack, args).run()
     report["logs"] = str(root)

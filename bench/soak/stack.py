@@ -1,5 +1,6 @@
-"""The soak's processes: the test suite's stack (one Redis with its append-only file, an `lmq gateway`,
-two worker processes on the tiny float32 model with slowed steps), and what the soak asks of it.
+"""The soak's processes: the test suite's stack (an `lmq gateway`, two worker processes on the tiny
+float32 model with slowed steps) on one Redis with its append-only file or on a Sentinel set, and what
+the soak asks of it.
 
 The tiny model (random weights, made on the spot) has a 4,096-token context here, room for tool
 definitions; its workers take 8 sequences in 32 MiB of KV cache.
@@ -7,6 +8,7 @@ definitions; its workers take 8 sequences in 32 MiB of KV cache.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 from pathlib import Path
@@ -16,7 +18,10 @@ import redis.asyncio as aioredis
 
 import protocol
 from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP
-from tests.support.process_stack import CLAIM_IDLE_MS, MODEL, Stack, StackSpec
+from protocol.redis_client import connect
+from tests.support.process_stack import CLAIM_IDLE_MS, MODEL, Stack, StackSpec, eventually
+from tests.support.redis_topology import SentinelTopology
+from tests.support.sentinel_stack import SentinelSet
 from tests.support.tiny_model import make_tiny_model
 
 WORKERS = 2
@@ -25,11 +30,16 @@ REDIS_KIND = "valkey9"
 
 
 class SoakStack:
-    def __init__(self, root: Path):
+    """`topology` "redis": one Redis with its append-only file; "sentinel": a Sentinel set (a primary,
+    a replica, three sentinels; tests/support/sentinel_stack.py), whose primary a fault kills."""
+
+    def __init__(self, root: Path, topology: str = "redis"):
         model_dir = make_tiny_model(root / "model")
         config = json.loads((model_dir / "config.json").read_text())
         (model_dir / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
-        self.stack = Stack(StackSpec(REDIS_KIND, workers=WORKERS, gateways=1), root, model_dir)
+        self.sentinels = SentinelSet(root / "sentinels", REDIS_KIND).start() if topology == "sentinel" else None
+        under = SentinelTopology(self.sentinels) if self.sentinels else None
+        self.stack = Stack(StackSpec(REDIS_KIND, workers=WORKERS, gateways=1), root, model_dir, under)
         self.admin: redis.Redis = self.stack.admin
         self.model = MODEL
         self.request_stream = protocol.request_stream(MODEL)
@@ -44,6 +54,8 @@ class SoakStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stack.close()
+        if self.sentinels:
+            self.sentinels.close()
 
     # ------------------------------------------------------------ what traffic and faults use
 
@@ -51,7 +63,8 @@ class SoakStack:
         return f"http://127.0.0.1:{self._port}"
 
     def async_admin(self) -> aioredis.Redis:
-        return aioredis.Redis.from_url(self.stack.redis.url, socket_timeout=10, socket_connect_timeout=2)
+        """lmq's own client of the topology (on a Sentinel set it follows the primary)."""
+        return connect(self.stack.url)
 
     @property
     def workers(self) -> list[str]:
@@ -77,8 +90,18 @@ class SoakStack:
     def restart_redis(self) -> None:
         self.stack.restart_redis(persist=True)
 
-    def fail_over(self) -> str:
-        raise NotImplementedError("a Sentinel failover needs the Sentinel topology")
+    async def fail_over(self) -> str:
+        """SIGKILL the Sentinel set's primary, wait for the replica's promotion, then start the old
+        primary again: the sentinels make it the new primary's replica, ready for the next failover."""
+        if self.sentinels is None:
+            raise RuntimeError("a Sentinel failover needs --topology sentinel")
+        sentinels, old = self.sentinels, self.sentinels.primary
+        sentinels.kill_primary()
+        await sentinels.wait_failover()
+        await asyncio.to_thread(old.start)
+        sentinels.primary, sentinels.replica = sentinels.replica, old
+        await eventually(lambda: _replicating(sentinels, old), "the old primary back as a replica", 60)
+        return f"primary :{old.port} SIGKILLed, :{sentinels.primary.port} promoted, :{old.port} back as its replica"
 
     async def wait_ready(self) -> None:
         await self.stack.wait_ready()
@@ -93,8 +116,12 @@ class SoakStack:
         running = {
             name: process.pid for name, process in self.stack.processes.running.items() if process.poll() is None
         }
-        if self.stack.redis.process is not None:
-            running["redis"] = self.stack.redis.process.pid
+        servers = {"redis": self.stack.redis}
+        if self.sentinels:
+            servers = {"redis-primary": self.sentinels.primary, "redis-replica": self.sentinels.replica}
+        for name, server in servers.items():
+            if server.process is not None and server.process.poll() is None:
+                running[name] = server.process.pid
         return running
 
     def queue(self) -> dict[str, int]:
@@ -110,3 +137,9 @@ class SoakStack:
 
     def dead_letter_count(self) -> int:
         return self.admin.xlen(DEAD_LETTER_STREAM)
+
+
+def _replicating(sentinels: SentinelSet, server) -> bool:
+    with sentinels.client(server.port, socket_timeout=2) as client:
+        info = client.info("replication")
+    return info["role"] == "slave" and info.get("master_link_status") == "up"
