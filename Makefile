@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps serve test test-fast lint bench clean
+.PHONY: install system-deps serve test test-fast lint bench soak clean
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ lint: install
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/service/run_all.py
+
+# The chaos soak (bench/soak/): mixed traffic through real processes, a fault every ~30 s, a ledger of
+# every request; fails on any lost or wrong answer. MINUTES=10 make soak for a shorter run.
+soak: install
+	$(BIN)/python -m bench.soak --minutes $(or $(MINUTES),30) --json bench/results/soak.json
 
 clean:
 	rm -rf $(VENV) .lmq .pytest_cache .hypothesis

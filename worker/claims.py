@@ -68,12 +68,27 @@ class RequestStream:
         """Create the consumer group (and the stream); whoever starts first does it."""
         await create_request_group(self.redis, self.stream)
 
-    async def read_new(self, count: int, block_ms: int) -> list[Entry]:
-        """Up to `count` entries never delivered to anyone, waiting at most `block_ms`."""
+    async def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to `count` entries never delivered to anyone, waiting at most `block_ms` (None: not at all)."""
         reply = await self.redis.xreadgroup(
             REQUEST_GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms
         )
         return [self._entry(entry_id, fields) for entry_id, fields in reply[0][1]] if reply else []
+
+    async def read_available(self, count: int) -> tuple[list[Entry], str]:
+        """Up to `count` entries never delivered to anyone, without waiting, and a *mark* for `wait_beyond`.
+
+        The mark is the id of the stream's newest entry, asked just before the read: when the read gets
+        nothing, every entry up to the mark was delivered already, and any entry added since is newer
+        than the mark (stream ids only grow), so waiting beyond it misses none."""
+        newest = await self.redis.xrevrange(self.stream, "+", "-", count=1)
+        mark = reply_text(newest[0][0]) if newest else "0-0"
+        return await self.read_new(count, None), mark
+
+    async def wait_beyond(self, mark: str, block_ms: int) -> None:
+        """Until the stream has an entry newer than `mark`, or `block_ms` passed. Takes nothing: a plain
+        XREAD, outside the group, so a worker waiting for work promises none of its slots to it."""
+        await self.redis.xread({self.stream: mark}, count=1, block=block_ms)
 
     async def claim_idle(self, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over up to `count` entries that other consumers left idle for `min_idle_ms`.
@@ -167,6 +182,14 @@ class RequestStreams:
     async def read_new(self, lane: str, count: int, block_ms: int) -> list[Entry]:
         """Up to `count` new entries of one lane's stream (each lane has its own reader)."""
         return await self.by_lane[lane].read_new(count, block_ms)
+
+    async def read_available(self, lane: str, count: int) -> tuple[list[Entry], str]:
+        """Up to `count` new entries of one lane's stream, without waiting, and its mark (`RequestStream.read_available`)."""
+        entries, mark = await self.by_lane[lane].read_available(count)
+        return self._handles(lane, entries), mark
+
+    async def wait_beyond(self, lane: str, mark: str, block_ms: int) -> None:
+        await self.by_lane[lane].wait_beyond(mark, block_ms)
 
     async def claim_idle(self, min_idle_ms: int, counts: dict[str, int]) -> list[Entry]:
         """Take over idle entries, up to `counts[priority]` of each priority over all its lanes, interactive ones first."""

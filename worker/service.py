@@ -33,6 +33,8 @@ from protocol.keys import BATCH, INTERACTIVE
 from protocol.redis_client import REDIS_FAILURES, connect, pubsub
 from protocol.resume import RESUME_CHANNEL
 from worker import compute_thread
+from worker.admission import AdmissionBudget
+from worker.affinity import ShardAffinity
 from worker.claims import Entry, EntryRef, RequestStreams, is_missing_group, model_lanes
 from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
@@ -87,6 +89,7 @@ class Worker:
         self.shards = shard_layout(config.redis_url)
         lanes = model_lanes(self.shards, self.model_name)
         self.stream = RequestStreams(redis, lanes, config.worker_id)
+        self.affinity = ShardAffinity(self.stream.lanes, len(self.shards.shards), config.worker_id)
         self.publisher = RecordingPublisher(
             redis, lanes, config.worker_id, on_refused=self._on_refused, on_written=self._on_written
         )
@@ -108,6 +111,7 @@ class Worker:
         # stale on another event loop, which fails (seen after a primary came back).
         self._hold = redis.register_script(HOLD_LUA)
         self._room = asyncio.Event()
+        self.budget = AdmissionBudget(on_returned=self._room.set)  # slots promised to reads in flight
 
     # ------------------------------------------------------------ lifetime
 
@@ -132,6 +136,9 @@ class Worker:
             asyncio.create_task(self._listen_for_cancels(), name="cancels"),
             asyncio.create_task(self._keep_loop(), name="keep"),
         ]
+        if len(self.shards.shards) > 1:
+            follow = self.affinity.follow(self.redis, self.shards.home, self.model_name)
+            background.append(asyncio.create_task(follow, name="affinity"))
         intake = [
             asyncio.create_task(self._read_loop(), name="read"),
             asyncio.create_task(self._claim_loop(), name="claim"),
@@ -171,10 +178,9 @@ class Worker:
     # ------------------------------------------------------------ Redis loops
 
     async def _read_loop(self) -> None:
-        """One reader per lane (a priority's stream in one shard), each blocking on its own stream: an
+        """One reader per lane (a priority's stream in one shard), each waiting on its own stream: an
         interactive request is read the moment it arrives, even while a batch reader waits for room.
-        (With several shards, readers that wake at once may together take more than the room; the
-        engine queues the excess.)"""
+        However many lanes there are, together they take no more than the room (worker/admission.py)."""
         readers = [asyncio.create_task(self._read_lane(lane), name=f"read-{lane}") for lane in self.stream.lanes]
         try:
             await asyncio.gather(*readers)
@@ -182,18 +188,45 @@ class Worker:
             await _cancel(readers)
 
     async def _read_lane(self, lane: str) -> None:
+        """Take slots from the budget, read that many without blocking; with nothing there, wait for a new
+        entry holding no slot (so another lane's reader may use them meanwhile)."""
         priority = self.stream.lanes[lane].priority
         while True:
-            room = self._room_for(priority)
-            if room <= 0:
+            if not self.affinity.may_read(lane):  # another worker's shard, while ours have work
+                await self.affinity.changed()
+                continue
+            slots = self.budget.take(self._room_for(priority))
+            if slots <= 0:
                 self._room.clear()
                 await self._room.wait()
                 continue
             try:
-                for entry in await self.stream.read_new(lane, room, READ_BLOCK_MS):
-                    await self._admit(entry, claimed=False)
+                entries, mark = await self.stream.read_available(lane, slots)
+            except REDIS_FAILURES as exc:
+                self.budget.give_back(slots)
+                await self._recover_from(exc)
+                continue
+            self.budget.give_back(slots - len(entries))
+            self.affinity.found(lane, bool(entries))
+            try:
+                if entries:
+                    await self._admit_all(entries, claimed=False)
+                else:
+                    await self.stream.wait_beyond(lane, mark, READ_BLOCK_MS)
             except REDIS_FAILURES as exc:
                 await self._recover_from(exc)
+
+    async def _admit_all(self, entries: list[Entry], *, claimed: bool) -> None:
+        """Start or refuse each entry, giving its promised slot back once the engine counts it (all that
+        are left when Redis fails midway: those stay pending here, and the claim loop finds them)."""
+        left = len(entries)
+        try:
+            for entry in entries:
+                await self._admit(entry, claimed=claimed)
+                left -= 1
+                self.budget.give_back(1)
+        finally:
+            self.budget.give_back(left)
 
     def _room_for(self, priority: str) -> int:
         """How many entries of `priority` to take now.
@@ -211,12 +244,24 @@ class Worker:
     async def _claim_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.claim_idle_ms / 2000)
-            rooms = {priority: self._room_for(priority) for priority in (INTERACTIVE, BATCH)}
             try:
-                for entry in await self.stream.claim_idle(self.config.claim_idle_ms, rooms):
-                    await self._admit(entry, claimed=True)
+                for priority in (INTERACTIVE, BATCH):
+                    await self._claim(priority)
             except REDIS_FAILURES as exc:
                 await self._recover_from(exc)
+
+    async def _claim(self, priority: str) -> None:
+        """Take over idle entries of `priority`, as many as the budget gives."""
+        slots = self.budget.take(self._room_for(priority))
+        if slots <= 0:
+            return
+        try:
+            claimed = await self.stream.claim_idle(self.config.claim_idle_ms, {priority: slots})
+        except BaseException:
+            self.budget.give_back(slots)
+            raise
+        self.budget.give_back(slots - len(claimed))
+        await self._admit_all(claimed, claimed=True)
 
     async def _keep_loop(self) -> None:
         """Keep our entries from looking abandoned, and time out those past their deadline."""
@@ -280,6 +325,11 @@ class Worker:
     # ------------------------------------------------------------ from entry to engine
 
     async def _admit(self, entry: Entry, *, claimed: bool) -> None:
+        if claimed and self._running_entry(entry.ref):
+            # Claimed back from ourselves (XAUTOCLAIM does not skip the caller's own entries: we stalled
+            # past the claim time); it runs here already, and the claim only made it ours again.
+            log.info("entry %s claimed back while running here: it goes on", entry.ref)
+            return
         raw = entry.fields.get(b"msg", b"")
         try:
             request = decode_request(raw)
@@ -320,6 +370,9 @@ class Worker:
                 seq=len(streamed),
                 forget=forget,
             )
+
+    def _running_entry(self, entry: EntryRef) -> bool:
+        return any(running.entry == entry for running in self.table.running.values())
 
     async def _check_attempts_and_progress(self, entry: Entry, request: Request) -> list[int]:
         """For an entry taken over from a dead worker: the tokens it streamed, unless it ran too often."""

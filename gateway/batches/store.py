@@ -32,8 +32,9 @@ request id would hash to, and its events to a reply stream of the home shard. Th
 XADDs the item and records it in the batch's hashes in one step, and the worker's step script
 writes the reply stream in the same step as it acknowledges the entry: on a cluster a script may
 only touch keys of one hash slot, so the batch, its request stream and its reply streams must
-share one. Transactions (MULTI) here touch one batch's or one file's keys and the home indexes:
-one slot too.
+share one. The other writes that must land together (a file's or a batch's record and its index
+entries, a batch's end) are scripts too, over one batch's or one file's keys and the home indexes:
+one slot, and no MULTI, whose EXEC a cluster client could send to a node that no longer serves it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import redis.asyncio as aioredis
 
 import protocol
 from protocol.keys import Shard
-from protocol.redis_client import reply_text, transaction
+from protocol.redis_client import reply_text
 from protocol.request_groups import RequestGroups
 
 RETENTION_S = 30 * 86_400  # ended batches, their results and files are kept this long (OpenAI: 30 days)
@@ -121,6 +122,48 @@ return 1
 RELEASE_LUA = r"""
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
+"""
+
+# The writes that must land together, each one script (one slot: the home shard's): a MULTI on a
+# cluster client is sent where its slot map says, and the map can change between a refresh and EXEC.
+RECORD_FILE_LUA = r"""
+-- KEYS = [file hash, owner's file index]; ARGV = [file id, created, retention s, field, value, ...]
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return 1
+"""
+
+DELETE_FILE_LUA = r"""
+-- KEYS = [file hash, file data, owner's file index]; ARGV = [file id]: how many of the two keys were there
+local deleted = redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return deleted
+"""
+
+CREATE_BATCH_LUA = r"""
+-- KEYS = [batch hash, owner's batch index, active batches]; ARGV = [batch id, created, field, value, ...]
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[1])
+return 1
+"""
+
+DELETE_BATCH_LUA = r"""
+-- KEYS = [batch, items, inflight, results, lease, owner's batch index, active batches]; ARGV = [batch id]
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('ZREM', KEYS[6], ARGV[1])
+redis.call('SREM', KEYS[7], ARGV[1])
+return 1
+"""
+
+ENDED_LUA = r"""
+-- KEYS = [batch, items, results, inflight, active batches]; ARGV = [batch id, retention s, field, value, ...]
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+redis.call('SREM', KEYS[5], ARGV[1])
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+redis.call('DEL', KEYS[4])
+return 1
 """
 
 GONE_LUA = r"""
@@ -235,6 +278,11 @@ class BatchStore:
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
         self._gone = redis.register_script(GONE_LUA)
+        self._record_file = redis.register_script(RECORD_FILE_LUA)
+        self._delete_file = redis.register_script(DELETE_FILE_LUA)
+        self._create_batch = redis.register_script(CREATE_BATCH_LUA)
+        self._delete_batch = redis.register_script(DELETE_BATCH_LUA)
+        self._ended = redis.register_script(ENDED_LUA)
         self.groups = RequestGroups(redis)
 
     # ------------------------------------------------------------ files
@@ -260,11 +308,7 @@ class BatchStore:
         await self.redis.set(data_key, b"", ex=RETENTION_S)
         for start in range(0, len(view), 1 << 20):
             await self.redis.append(data_key, view[start : start + (1 << 20)])
-        pipe = await transaction(self.redis)
-        pipe.hset(self.home.file_key(file_id), mapping=record)
-        pipe.expire(self.home.file_key(file_id), RETENTION_S)
-        pipe.zadd(self.file_index(owner), {file_id: created})
-        await pipe.execute()
+        await self._record_file_fields(file_id, owner, created, record)
         return FileRecord(file_id, record)
 
     async def write_generated_file(
@@ -287,12 +331,13 @@ class BatchStore:
             "bytes": str(size),
             "created_at": str(created),
         }
-        pipe = await transaction(self.redis)
-        pipe.hset(self.home.file_key(file_id), mapping=record)
-        pipe.expire(self.home.file_key(file_id), RETENTION_S)
-        pipe.zadd(self.file_index(owner), {file_id: created})
-        await pipe.execute()
+        await self._record_file_fields(file_id, owner, created, record)
         return FileRecord(file_id, record)
+
+    async def _record_file_fields(self, file_id: str, owner: str, created: int, record: dict[str, str]) -> None:
+        """The metadata that makes a file visible, and its index entry, in one step."""
+        keys = [self.home.file_key(file_id), self.file_index(owner)]
+        await self._record_file(keys=keys, args=[file_id, created, RETENTION_S, *_pairs(record)])
 
     async def _append(self, key: str, buffer: bytearray) -> int:
         size = len(buffer)
@@ -326,11 +371,8 @@ class BatchStore:
         return data
 
     async def delete_file(self, record: FileRecord) -> bool:
-        pipe = await transaction(self.redis)
-        pipe.delete(self.home.file_key(record.id), self.home.file_key(record.id, "data"))
-        pipe.zrem(self.file_index(record.owner), record.id)
-        deleted, _ = await pipe.execute()
-        return bool(deleted)
+        keys = [self.home.file_key(record.id), self.home.file_key(record.id, "data"), self.file_index(record.owner)]
+        return bool(await self._delete_file(keys=keys, args=[record.id]))
 
     async def files(self, owner: str, after: str | None, limit: int) -> tuple[list[FileRecord], bool]:
         ids, has_more = await self._page(self.file_index(owner), after, None, limit)
@@ -340,7 +382,7 @@ class BatchStore:
     # ------------------------------------------------------------ batches
 
     async def create_batch(self, prefix: str, api: str, owner: str, fields: dict[str, Any], items: list[str]) -> Batch:
-        """Items first, then the batch and its index entries in one transaction: a gateway never
+        """Items first, then the batch and its index entries in one script: a gateway never
         finds an active batch without its items."""
         batch_id = new_id(prefix)
         for start in range(0, len(items), CHUNK):
@@ -354,11 +396,8 @@ class BatchStore:
             "total": str(len(items)),
             "next": "0",
         }
-        pipe = await transaction(self.redis)
-        pipe.hset(self.home.batch_key(batch_id), mapping=record)
-        pipe.zadd(self.batch_index(api, owner), {batch_id: now})
-        pipe.sadd(self.home.active_batches, batch_id)
-        await pipe.execute()
+        keys = [self.home.batch_key(batch_id), self.batch_index(api, owner), self.home.active_batches]
+        await self._create_batch(keys=keys, args=[batch_id, repr(now), *_pairs(record)])
         return Batch(batch_id, record)
 
     async def batch(self, batch_id: str) -> Batch | None:
@@ -396,22 +435,15 @@ class BatchStore:
 
     async def delete_batch(self, batch: Batch) -> None:
         parts = ("", "items", "inflight", "results", "lease")
-        pipe = await transaction(self.redis)
-        pipe.delete(*(self.home.batch_key(batch.id, part) for part in parts))
-        pipe.zrem(self.batch_index(batch.api, batch.owner), batch.id)
-        pipe.srem(self.home.active_batches, batch.id)
-        await pipe.execute()
+        keys = [self.home.batch_key(batch.id, part) for part in parts]
+        keys += [self.batch_index(batch.api, batch.owner), self.home.active_batches]
+        await self._delete_batch(keys=keys, args=[batch.id])
 
     async def ended(self, batch_id: str, **fields: Any) -> None:
         """The batch's last status: off the active set, and kept for `RETENTION_S`."""
-        pipe = await transaction(self.redis)
-        if fields:
-            pipe.hset(self.home.batch_key(batch_id), mapping={k: str(v) for k, v in fields.items()})
-        pipe.srem(self.home.active_batches, batch_id)
-        for part in ("", "items", "results"):
-            pipe.expire(self.home.batch_key(batch_id, part), RETENTION_S)
-        pipe.delete(self.home.batch_key(batch_id, "inflight"))
-        await pipe.execute()
+        keys = [self.home.batch_key(batch_id, part) for part in ("", "items", "results", "inflight")]
+        keys.append(self.home.active_batches)
+        await self._ended(keys=keys, args=[batch_id, RETENTION_S, *_pairs({k: str(v) for k, v in fields.items()})])
 
     async def active(self) -> list[str]:
         return sorted(reply_text(member) for member in await self.redis.smembers(self.home.active_batches))
@@ -541,3 +573,8 @@ class BatchStore:
             start = rank + 1
         ids = await self.redis.zrevrange(index, start, start + limit)
         return [reply_text(i) for i in ids[:limit]], len(ids) > limit
+
+
+def _pairs(mapping: dict[str, str]) -> list[str]:
+    """A hash's fields as HSET's arguments: field, value, field, value, ..."""
+    return [part for item in mapping.items() for part in item]

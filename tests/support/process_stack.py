@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import redis
 from redis.exceptions import RedisError, ResponseError
 
 import protocol
-from lmq.redis_server import EmbeddedRedis, find_redis_server, free_tcp_port
-from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP
+from lmq.redis_server import free_tcp_port
+from protocol import REQUEST_GROUP
+from tests.support.redis_topology import SingleRedis
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.prompt import build_prompt_ids
 
@@ -63,7 +62,6 @@ GATEWAY_SETTINGS = {
 CLIENT_TIMEOUT_S = 40.0  # above the gateway's own limits: running into it is a hang
 START_TIMEOUT_S = 60.0
 LOG_TAIL_LINES = 25
-TEST_KEY_PATTERNS = ("lmq:test:*", "lmq:reply:test:*", "lmq:progress:*", "myapp:*")
 
 
 # ---------------------------------------------------------------- waiting
@@ -173,24 +171,17 @@ class StackSpec:
 
 
 class Stack:
-    """One Redis and the lmq processes on it. `prepare()` before each test makes it whole again."""
+    """The lmq processes on a Redis topology (tests/support/redis_topology.py: one server, a Sentinel
+    set, a cluster). `prepare()` before each test makes it whole again. What it reads from the request
+    path (pending entries, the group, what is left, dead letters) it reads from every shard."""
 
-    def __init__(self, spec: StackSpec, root: Path, model_dir: Path):
-        server = EmbeddedRedis(
-            data_dir=root / "redis", port=free_tcp_port(), server=find_redis_server(spec.kind), appendonly=True
-        ).start()
-        self._attach(
-            spec, root, model_dir, server, redis.Redis.from_url(server.url, socket_timeout=5, socket_connect_timeout=2)
-        )
-        self.url = self._lmq_url()
-
-    def _attach(
-        self, spec: StackSpec, root: Path, model_dir: Path, server: EmbeddedRedis, admin: redis.Redis, url: str = ""
-    ) -> None:
-        """The fields of a stack on a Redis that is up: `server` (whose log lines `log_tails` shows),
-        `admin` (the tests' own client), `url` (the lmq processes' REDIS_URL)."""
+    def __init__(self, spec: StackSpec, root: Path, model_dir: Path, topology=None):
+        """`topology` default: a `SingleRedis` of `spec.kind` that the stack owns (and stops on close)."""
         self.spec, self.root, self.model_dir = spec, root, model_dir
-        self.redis, self.admin, self.url = server, admin, url
+        self._owns_topology = topology is None
+        self.topology = topology if topology is not None else SingleRedis(root, spec.kind)
+        self.redis, self.admin, self.layout = self.topology.server, self.topology.admin, self.topology.layout
+        self.url = self._lmq_url()
         self.processes = Processes(root / "logs")
         self.workers: list[str] = []
         self.gateways: list[str] = []
@@ -199,10 +190,10 @@ class Stack:
 
     def _lmq_url(self) -> str:
         if not self.spec.acl:
-            return self.redis.url
-        from tests.support.redis_acl import create_lmq_user  # tests/support/redis_acl.py
+            return self.topology.url
+        from tests.support.redis_acl import create_lmq_user
 
-        return create_lmq_user(self.redis.url)
+        return create_lmq_user(self.topology.url)
 
     # ------------------------------------------------------------ processes
 
@@ -215,10 +206,11 @@ class Stack:
         self.workers.append(name)
         return name
 
-    def start_gateway(self, **settings: str) -> str:
+    def start_gateway(self, port: int | None = None, **settings: str) -> str:
+        """A gateway on `port` (default: a free one; a restarted gateway takes its predecessor's), with `settings`."""
         self._started += 1
         name = f"gateway-{self._started}"
-        port = free_tcp_port()
+        port = port or free_tcp_port()
         environment = {
             **_clean_environment(),
             **GATEWAY_SETTINGS,
@@ -254,10 +246,7 @@ class Stack:
         for name in names:
             text = self.processes.log_text(name).splitlines()
             parts.append(f"--- {name} (last {lines} lines)\n" + "\n".join(text[-lines:]))
-        redis_log = (
-            self.redis.log_path.read_text(errors="replace").splitlines()[-5:] if self.redis.log_path.exists() else []
-        )
-        parts.append("--- redis\n" + "\n".join(redis_log))
+        parts.append(self.topology.log_tails())
         return "\n".join(parts)
 
     def log_marks(self) -> dict[str, int]:
@@ -276,31 +265,29 @@ class Stack:
     # ------------------------------------------------------------ Redis
 
     def redis_alive(self) -> bool:
-        return self.redis.process is not None and self.redis.process.poll() is None
+        return self.topology.alive()
 
     def restart_redis(self, *, persist: bool, down_s: float = 0.5) -> None:
-        """SIGKILL Redis, wait `down_s`, start it again on the same port: with its append-only file
-        (persist), or on an empty directory (as a server without persistence comes back)."""
-        self.redis.kill()
-        if not persist:
-            for name in ("appendonly.aof", "appendonlydir", "dump.rdb"):
-                path = self.redis.data_dir / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-        time.sleep(down_s)
-        self.redis.start()
-        self.admin.connection_pool.disconnect()
+        """SIGKILL the one Redis and start it again on its port (`SingleRedis.restart`)."""
+        self.topology.restart(persist=persist, down_s=down_s)
+
+    @property
+    def streams(self) -> list[str]:
+        """The interactive request stream of the test model in every shard."""
+        return [shard.request_stream(MODEL) for shard in self.layout.shards]
 
     def pending(self) -> list[dict]:
-        """The group's pending entries: message_id, consumer, times_delivered."""
-        try:
-            return self.admin.xpending_range(STREAM, REQUEST_GROUP, min="-", max="+", count=1000)
-        except ResponseError as exc:
-            if "NOGROUP" in str(exc):
-                return []
-            raise
+        """The group's pending entries of every shard's stream: message_id, consumer, times_delivered, stream."""
+        entries = []
+        for stream in self.streams:
+            try:
+                found = self.admin.xpending_range(stream, REQUEST_GROUP, min="-", max="+", count=1000)
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    continue
+                raise
+            entries += [{**entry, "stream": stream} for entry in found]
+        return entries
 
     def holders(self) -> dict[str, int]:
         """Worker id -> how many entries it holds."""
@@ -314,23 +301,33 @@ class Stack:
         """Request id -> the worker holding its entry, for the entries pending now."""
         held = {}
         for entry in self.pending():
-            for _, fields in self.admin.xrange(STREAM, entry["message_id"], entry["message_id"]):
+            for _, fields in self.admin.xrange(entry["stream"], entry["message_id"], entry["message_id"]):
                 with contextlib.suppress(Exception):
                     held[protocol.decode_map(fields[b"msg"])["id"]] = entry["consumer"].decode()
         return held
 
     def group_exists(self) -> bool:
         try:
-            return any(group["name"] == REQUEST_GROUP.encode() for group in self.admin.xinfo_groups(STREAM))
+            return all(
+                any(group["name"] == REQUEST_GROUP.encode() for group in self.admin.xinfo_groups(stream))
+                for stream in self.streams
+            )
         except ResponseError:
             return False
 
     def heartbeating(self, names: list[str] | None = None) -> bool:
         names = self.workers if names is None else names
-        return all(self.admin.exists(protocol.worker_key(name)) for name in names)
+        return all(self.admin.exists(self.layout.home.worker_key(name)) for name in names)
 
     def dead_letters(self) -> list[dict[bytes, bytes]]:
-        return [fields for _, fields in self.admin.xrange(DEAD_LETTER_STREAM)]
+        return [fields for shard in self.layout.shards for _, fields in self.admin.xrange(shard.dead_letter_stream)]
+
+    def entries_added(self, stream: str) -> int:
+        """How many entries a stream ever got (XINFO STREAM, Redis 7): workers delete finished ones."""
+        try:
+            return int(self.admin.xinfo_stream(stream)["entries-added"])
+        except ResponseError:  # no such key
+            return 0
 
     def reply_events(self, key: str) -> list[tuple[str, dict]]:
         """(stream entry id, event) of each event on a reply stream, in order."""
@@ -359,20 +356,17 @@ class Stack:
             return False
 
     def waiting(self) -> int:
-        """Entries left in the request stream (workers delete finished ones)."""
-        return self.admin.xlen(STREAM)
+        """Entries left in every shard's request stream (workers delete finished ones)."""
+        return sum(self.admin.xlen(stream) for stream in self.streams)
 
     async def prepare(self) -> None:
-        """Before a test: the stack whole (restarted from scratch if a test left it broken), the
-        test keys gone, `spec.workers` workers heartbeating and every gateway ready."""
-        if not self.redis_alive():
-            self.redis.start()
+        """Before a test: the stack whole (restarted from scratch on an emptied Redis if a test left it
+        broken), the test keys and dead letters gone, `spec.workers` workers heartbeating and every
+        gateway ready."""
+        self.topology.start()
         if self.workers and not self.clean():
             self.reset()
-        for pattern in TEST_KEY_PATTERNS:
-            for key in self.admin.scan_iter(match=pattern, count=1000):
-                self.admin.delete(key)
-        self.admin.delete(DEAD_LETTER_STREAM)
+        self.topology.delete_test_keys()
         while len(self.workers) < self.spec.workers:
             self.start_worker()
         while len(self.gateways) < self.spec.gateways:
@@ -391,12 +385,13 @@ class Stack:
         self.processes.kill_all()
         self.workers.clear()
         self.gateways.clear()
-        self.admin.flushall()
+        self.topology.flush()
 
     def close(self) -> None:
         self.processes.kill_all()
         self.admin.close()
-        self.redis.stop()
+        if self._owns_topology:
+            self.topology.close()
 
 
 # ---------------------------------------------------------------- a client's view of one stream

@@ -18,8 +18,8 @@ import redis
 from redis.exceptions import RedisError
 
 from lmq.redis_server import EmbeddedRedis, ServerTls, find_redis_server, free_tcp_port
-from protocol.redis_client import connect_sync
 from tests.support.process_stack import Processes, Stack, StackSpec, eventually
+from tests.support.redis_topology import SentinelTopology
 
 SERVICE = "mymaster"
 QUORUM = 2
@@ -139,28 +139,10 @@ class SentinelSet:
         self.primary.kill()
 
 
-class SentinelStack(Stack):
-    """fault_support's Stack of gateways and workers, on a SentinelSet instead of one Redis: its
-    processes get the set's `redis+sentinel://` URL and its `admin` client follows failovers too
-    (Stack's constructor would start a Redis)."""
-
-    def __init__(self, sentinels: SentinelSet, spec: StackSpec, root: Path, model_dir: Path):
-        self.sentinels = sentinels
-        admin = connect_sync(sentinels.url, socket_timeout=5, socket_connect_timeout=2)
-        self._attach(spec, root, model_dir, sentinels.primary, admin, sentinels.url)
-
-    def redis_alive(self) -> bool:
-        try:
-            return bool(self.admin.ping())
-        except RedisError:
-            return False
-
-    def log_tails(self, names: list[str] | None = None, lines: int = 25) -> str:
-        return super().log_tails(names, lines) + "\n" + self.sentinels.log_tails()
-
-    def close(self) -> None:
-        self.processes.kill_all()
-        self.admin.close()
+def sentinel_stack(sentinels: SentinelSet, spec: StackSpec, root: Path, model_dir: Path) -> Stack:
+    """A process `Stack` on a Sentinel set: its processes get the set's `redis+sentinel://` URL and its
+    `admin` client follows failovers too (tests/support/redis_topology.py `SentinelTopology`)."""
+    return Stack(spec, root, model_dir, SentinelTopology(sentinels))
 
 
 def _pairs(flat: list) -> dict:

@@ -19,6 +19,7 @@ import openai
 import pytest
 from redis.crc import key_slot
 
+from gateway.batches.store import RETENTION_S, BatchStore
 from lmq.redis_cluster import EmbeddedCluster
 from protocol.cluster_url import shard_layout
 from protocol.redis_client import connect
@@ -161,3 +162,48 @@ async def test_cancelling_on_a_cluster_withdraws_runs_and_cancels_the_rest(clust
     counts = batch.request_counts
     assert counts.succeeded >= 2 and counts.canceled > 0 and counts.succeeded + counts.canceled + counts.errored == 24
     assert Counter(result.custom_id for result in found) == Counter(f"c{i}" for i in range(24))
+
+
+async def test_the_store_writes_together_with_one_slot_scripts_never_a_transaction(cluster_url, cluster):
+    """A cluster client sends a MULTI's EXEC where its slot map said at the last refresh: a failover in
+    between fails the transaction. So every write of the store that must land whole (a file's or a
+    batch's record with its index entries, a batch's end, a deletion) is one script on the home slot:
+    each lands with what belongs with it, and no node ever sees a MULTI."""
+    for node in cluster.nodes:
+        with node.client() as client:
+            client.config_resetstat()
+    redis = connect(cluster_url)
+    store = BatchStore(redis, shard_layout(cluster_url).home)
+    owner = "owner-a"
+
+    async def lines():
+        yield b'{"custom_id": "a"}\n'
+
+    try:
+        upload = await store.create_file("file-", owner, {"purpose": "batch", "filename": "in.jsonl"}, b"input\n")
+        output = await store.write_generated_file(f"{upload.id}-output", owner, {"purpose": "batch_output"}, lines())
+        assert {record.id for record in (await store.files(owner, None, 10))[0]} == {upload.id, output.id}
+        assert 0 < await redis.ttl(store.home.file_key(upload.id)) <= RETENTION_S
+        assert bytes(await store.file_data(output.id)) == b'{"custom_id": "a"}\n'
+
+        batch = await store.create_batch("batch_", "openai", owner, {"status": "in_progress"}, ['{"custom_id": "a"}'])
+        assert batch.id in await store.active()
+        assert [found.id for found in (await store.batches("openai", owner, None, None, 10))[0]] == [batch.id]
+        await store.ended(batch.id, status="completed")
+        assert batch.id not in await store.active()
+        assert (await store.batch(batch.id)).status == "completed"
+        assert 0 < await redis.ttl(store.home.batch_key(batch.id)) <= RETENTION_S
+
+        await store.delete_batch(batch)
+        assert await store.batch(batch.id) is None
+        assert (await store.batches("openai", owner, None, None, 10))[0] == []
+        assert await store.delete_file(upload) is True
+        assert await store.delete_file(upload) is False
+        assert await store.file(upload.id, owner) is None
+        assert [record.id for record in (await store.files(owner, None, 10))[0]] == [output.id]
+    finally:
+        await redis.aclose()
+    for node in cluster.nodes:
+        with node.client() as client:
+            commands = client.info("commandstats")
+        assert "cmdstat_multi" not in commands and "cmdstat_exec" not in commands, sorted(commands)

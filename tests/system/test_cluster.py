@@ -2,7 +2,7 @@
 
 One EmbeddedCluster (lmq/redis_cluster.py: three Valkey primaries, the slots split as
 `redis-cli --cluster create` splits them, K = 6 request shards) for the module, and a
-tests/support/cluster_stack.py `ClusterStack` on it: an `lmq gateway` and two worker processes on the
+tests/support/cluster_stack.py process stack on it: an `lmq gateway` and two worker processes on the
 tiny model with slowed steps (tests/support/worker_process.py). The cluster's own behaviour (a script
 touches one slot, PUBLISH reaches a subscriber on any node) is what lmq's sharded layout rests on,
 so it is shown first; then the official OpenAI SDK gets the exact greedy answers, each request
@@ -29,7 +29,7 @@ from redis.exceptions import RedisClusterException, ResponseError
 import protocol
 from lmq.redis_cluster import EmbeddedCluster
 from protocol.keys import sharded
-from tests.support.cluster_stack import ClusterStack
+from tests.support.cluster_stack import cluster_stack
 from tests.support.process_stack import (
     CLAIM_IDLE_MS,
     CLIENT_TIMEOUT_S,
@@ -37,6 +37,7 @@ from tests.support.process_stack import (
     MODEL,
     ChatStream,
     PromptPool,
+    Stack,
     StackSpec,
     assert_contiguous,
     chat_messages,
@@ -63,7 +64,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def stack(cluster: EmbeddedCluster, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
-    built = ClusterStack(
+    built = cluster_stack(
         cluster, StackSpec("cluster", workers=2, gateways=1), tmp_path_factory.mktemp("cluster-stack"), tiny_model_dir
     )
     try:
@@ -73,7 +74,7 @@ def stack(cluster: EmbeddedCluster, tmp_path_factory: pytest.TempPathFactory, ti
 
 
 @pytest.fixture
-async def ready(stack: ClusterStack) -> ClusterStack:
+async def ready(stack: Stack) -> Stack:
     await stack.prepare()
     return stack
 
@@ -400,7 +401,7 @@ async def test_worker_killed_mid_stream_the_other_takes_over_and_every_stream_en
     stack.assert_alive([survivor, *stack.gateways])
 
 
-def _events_end(stack: ClusterStack, key: str) -> bool:
+def _events_end(stack: Stack, key: str) -> bool:
     try:
         return any(protocol.decode_map(fields[b"msg"]).get("type") in TERMINAL for _, fields in stack.admin.xrange(key))
     except redis.RedisError:
@@ -419,7 +420,7 @@ async def test_primary_killed_mid_stream_every_stream_resumes_exactly_and_the_cl
     sharded subscriptions broke, and each request's worker sends again what they missed), never a
     hang. Then fresh requests get exact answers and nothing is left pending."""
     with EmbeddedCluster(primaries=3, shards=SHARDS, root=tmp_path / "cluster", node_timeout_ms=1000) as cluster:
-        stack = ClusterStack(
+        stack = cluster_stack(
             cluster, StackSpec("cluster-fault", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir
         )
         try:
@@ -460,3 +461,120 @@ async def test_primary_killed_mid_stream_every_stream_resumes_exactly_and_the_cl
             stack.assert_alive()
         finally:
             stack.close()
+
+
+# ---------------------------------------------------------------- admission: a worker takes no more than its room
+
+ADMIT_TOKENS = 64  # at least 64 slowed steps (worker_process.py sleeps each): no request ends for ~4 s
+OBSERVE_S = 1.5  # how long a test watches the first requests run, well inside those ~4 s
+
+
+def ids_one_per_shard(stack: Stack, prefix: str) -> list[str]:
+    """A request id for each shard, in shard order (crc32 of the id picks the shard)."""
+    ids: dict[int, str] = {}
+    n = 0
+    while len(ids) < SHARDS:
+        candidate = f"{prefix}-{n}"
+        ids.setdefault(stack.layout.for_request(candidate).index, candidate)
+        n += 1
+    return [ids[index] for index in range(SHARDS)]
+
+
+def enqueue_one_per_shard(stack: Stack, prefix: str, prompts: list[str]) -> list[str]:
+    """A foreign request in every shard's stream at once (pub/sub replies that nobody reads)."""
+    ids = ids_one_per_shard(stack, f"{prefix}-{uuid.uuid4().hex[:6]}")
+    with stack.admin.pipeline(transaction=False) as pipe:
+        for index, (request_id, prompt) in enumerate(zip(ids, prompts)):
+            request = foreign_request(
+                request_id, prompt, "myapp:admitted", reply_kind="pubsub", max_tokens=ADMIT_TOKENS
+            )
+            pipe.xadd(stack.layout.shards[index].request_stream(MODEL), {"msg": msgpack.packb(request)})
+        pipe.execute()
+    return ids
+
+
+def held(stack: Stack) -> dict[str, int]:
+    """Worker -> entries pending for it, over every shard."""
+    counts: dict[str, int] = {}
+    for entry in stack.pending():
+        counts[entry["consumer"].decode()] = counts.get(entry["consumer"].decode(), 0) + 1
+    return counts
+
+
+async def watch_holdings(stack: Stack, until_held: int) -> dict[str, int]:
+    """Each worker's largest holding, seen from when `until_held` entries are held in all until OBSERVE_S
+    later: a span in which no request can end (ADMIT_TOKENS slowed steps each), so a holding above a
+    worker's slots is an overshoot, never an entry finished but not yet acknowledged."""
+    await eventually(lambda: sum(held(stack).values()) >= until_held, f"{until_held} entries taken", 30, stack)
+    most: dict[str, int] = {}
+    deadline = asyncio.get_running_loop().time() + OBSERVE_S
+    while asyncio.get_running_loop().time() < deadline:
+        for worker, count in held(stack).items():
+            most[worker] = max(most.get(worker, 0), count)
+        await asyncio.sleep(0.05)
+    return most
+
+
+async def test_a_worker_reading_every_shard_takes_no_more_than_its_free_slots(ready, pool):
+    """Six requests, one in each shard's stream, for an idle worker of two slots: its six readers wake
+    at once, and together they take two; the other four wait in their streams and run as slots free up.
+    (Each reader once took up to the free slots: the worker took all six.)"""
+    stack = ready
+    for name in list(stack.workers):
+        stack.kill_worker(name)  # the next test's prepare() starts the usual two again
+    worker = stack.start_worker(LMQ_MAX_SEQS="2")
+    await eventually(lambda: stack.heartbeating([worker]), "the two-slot worker's heartbeat", 60, stack)
+    enqueue_one_per_shard(stack, "two-slots", list(pool.take(SHARDS)))
+    most = await watch_holdings(stack, until_held=2)
+    assert most == {worker: 2}, f"a two-slot worker held {most}\n{stack.log_tails()}"
+    await eventually(lambda: stack.clean(), "all six answered, every shard's stream empty", 90, stack)
+
+
+async def test_six_requests_over_two_four_slot_workers_none_holds_more_than_four(ready, pool):
+    """The load-balancing promise on a cluster: with 2 workers of 4 slots, 6 requests in 6 shards are
+    split so that neither holds more than its 4 (one took 5 of 6 while the other idled)."""
+    stack = ready
+    for name in list(stack.workers):
+        stack.kill_worker(name)
+    workers = [stack.start_worker(LMQ_MAX_SEQS="4") for _ in range(2)]
+    await eventually(lambda: stack.heartbeating(workers), "both workers' heartbeats", 60, stack)
+    enqueue_one_per_shard(stack, "four-slots", list(pool.take(SHARDS)))
+    most = await watch_holdings(stack, until_held=SHARDS)
+    assert set(most) == set(workers) and max(most.values()) <= 4, f"holdings {most}\n{stack.log_tails()}"
+    await eventually(lambda: stack.clean(), "all six answered, every shard's stream empty", 90, stack)
+
+
+async def test_a_backlog_in_one_worker_s_shard_is_shared_with_a_worker_whose_own_shards_are_empty(ready, pool):
+    """Shard affinity (worker/affinity.py) keeps the pull model's promise: four requests in shard 0,
+    which the first of two workers prefers, and both workers have two slots: the second, whose own
+    shards hold nothing, takes two of them, so neither idles while the other has a backlog."""
+    stack = ready
+    for name in list(stack.workers):
+        stack.kill_worker(name)
+    workers = [stack.start_worker(LMQ_MAX_SEQS="2") for _ in range(2)]
+    await eventually(lambda: stack.heartbeating(workers), "both workers' heartbeats", 60, stack)
+    halves = ("prefers shards [0, 2, 4] of 6", "prefers shards [1, 3, 5] of 6")
+    await eventually(
+        lambda: (
+            sorted(half for half in halves for name in workers if half in stack.processes.log_text(name))
+            == sorted(halves)
+        ),
+        "each worker preferring its half of the shards",
+        30,
+        stack,
+    )
+    stream = stack.layout.shards[0].request_stream(MODEL)
+    with stack.admin.pipeline(transaction=False) as pipe:
+        for i, prompt in enumerate(pool.take(4)):
+            request = foreign_request(
+                f"backlog-{uuid.uuid4().hex[:6]}-{i}",
+                prompt,
+                "myapp:admitted",
+                reply_kind="pubsub",
+                max_tokens=ADMIT_TOKENS,
+            )
+            pipe.xadd(stream, {"msg": msgpack.packb(request)})
+        pipe.execute()
+    most = await watch_holdings(stack, until_held=4)
+    assert most == dict.fromkeys(workers, 2), f"holdings {most}\n{stack.log_tails()}"
+    await eventually(lambda: stack.clean(), "all four answered, the stream empty", 90, stack)

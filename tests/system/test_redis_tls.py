@@ -27,9 +27,9 @@ from protocol.cluster_url import ClusterAddress, is_cluster_url, parse_cluster_u
 from protocol.redis_client import connect, connect_sync, pubsub
 from protocol.sentinel_url import SentinelAddress, is_sentinel_url, parse_sentinel_url
 from protocol.tls_url import TlsOptions
-from tests.support.cluster_stack import ClusterStack
+from tests.support.cluster_stack import cluster_stack
 from tests.support.process_stack import CLIENT_TIMEOUT_S, MAX_TOKENS, MODEL, StackSpec, chat_messages, expected_answers
-from tests.support.sentinel_stack import SentinelSet, SentinelStack
+from tests.support.sentinel_stack import SentinelSet, sentinel_stack
 from tests.support.tls_redis import make_certificates, openssl_missing, other_ca, tls_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -254,7 +254,7 @@ async def _complete_requests(stack, tiny) -> None:
 async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_sentinel_set(
     tls_sentinels, tmp_path: Path, tiny_model_dir, tiny
 ):
-    stack = SentinelStack(tls_sentinels, StackSpec("tls-sentinel", workers=1, gateways=1), tmp_path, tiny_model_dir)
+    stack = sentinel_stack(tls_sentinels, StackSpec("tls-sentinel", workers=1, gateways=1), tmp_path, tiny_model_dir)
     try:
         await _complete_requests(stack, tiny)
     finally:
@@ -264,7 +264,7 @@ async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_sentinel_set(
 async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_cluster(
     tls_cluster, tmp_path: Path, tiny_model_dir, tiny
 ):
-    stack = ClusterStack(tls_cluster, StackSpec("tls-cluster", workers=1, gateways=1), tmp_path, tiny_model_dir)
+    stack = cluster_stack(tls_cluster, StackSpec("tls-cluster", workers=1, gateways=1), tmp_path, tiny_model_dir)
     try:
         await _complete_requests(stack, tiny)
     finally:

@@ -32,7 +32,7 @@ from tests.support.process_stack import (
     stream_all,
     streaming,
 )
-from tests.support.sentinel_stack import SentinelSet, SentinelStack
+from tests.support.sentinel_stack import SentinelSet, sentinel_stack
 from worker.config import WorkerConfig
 
 # ---------------------------------------------------------------- the URL
@@ -167,7 +167,7 @@ async def pool(tiny) -> PromptPool:
 async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then_the_promoted_replica_serves(
     sentinel_set, tmp_path, tiny_model_dir, pool
 ):
-    stack = SentinelStack(
+    stack = sentinel_stack(
         sentinel_set, StackSpec("sentinel", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir
     )
     try:

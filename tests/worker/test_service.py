@@ -24,7 +24,7 @@ from tests.support.worker_harness import (
     worker_config,
 )
 from tests.support.worker_process import SlowModel
-from worker.claims import RequestStream
+from worker.claims import Entry, RequestStream
 from worker.stub_model import stub_model
 
 
@@ -233,3 +233,24 @@ async def test_stopping_survives_a_task_that_swallows_its_cancellation():
     await asyncio.sleep(0)
     await asyncio.wait_for(_cancel([task]), 10)
     assert task.cancelled() and swallowed == 2
+
+
+async def test_a_worker_that_claims_back_an_entry_it_is_running_keeps_running_it(tiny, redis_url, redis_client):
+    """A worker that stalled past the claim time (SIGSTOP, a long pause) may XAUTOCLAIM its own entries
+    on waking, before its keep loop refreshed them: XAUTOCLAIM does not skip the caller's own. Such an
+    entry is running here already and must go on, not be refused as a duplicate (the chaos soak saw
+    batch items fail with "request ... is already running" after a worker's SIGSTOP)."""
+    slow = dataclasses.replace(tiny, model=SlowModel(tiny.model, step_seconds=0.05))
+    async with running_worker(worker_config(redis_url, "w1"), slow) as worker:
+        entry_id = await enqueue(redis_client, chat_request("mine", max_tokens=40))
+
+        async def running() -> bool:
+            return "mine" in worker.table.running
+
+        await wait_for(running, what="the request running")
+        [(_, fields)] = await redis_client.xrange(STREAM, entry_id, entry_id)
+        await worker._admit(Entry(entry_id, fields), claimed=True)  # what the claim loop does with it
+        events = await final_events(redis_client, "out:mine")
+    assert events[-1]["type"] == "done", events[-1]
+    assert len(streamed_tokens(events)) == 40
+    assert await redis_client.xlen(DEAD_LETTER_STREAM) == 0

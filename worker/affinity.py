@@ -1,0 +1,107 @@
+"""Shard affinity on a Redis Cluster: each worker prefers a few shards and reads the others only when
+its own have nothing for it.
+
+Why: a worker writes each step with one script call per shard its running requests came from
+(worker/publisher.py). A worker that reads every shard alike holds requests of all K shards and pays
+K calls a step, and a cluster's nodes spend most of their time on the fixed cost of each call. With
+W workers each preferring K/W shards, a loaded worker's requests come from its own shards, and a
+step costs about K/W calls.
+
+Which shards: the live workers of the model (their heartbeats, read every few seconds), sorted by
+id; the one ranked r of W prefers the shards k with k mod W = r (shard r mod K when W >= K). Until
+it has read them, or on one Redis (one shard), a worker prefers every shard.
+
+What stays: the pull model's load balancing. A worker's reader on another's shard reads as soon as
+every one of the worker's own lanes of that priority found nothing at its last read, so a worker
+whose shards are empty takes from a backlog anywhere, and no worker idles while another has one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+
+from protocol import Heartbeat, ProtocolError
+from protocol.keys import Shard
+from protocol.redis_client import REDIS_FAILURES
+from worker.claims import Lane
+
+log = logging.getLogger(__name__)
+
+FOLLOW_INTERVAL_S = 5.0
+
+
+class ShardAffinity:
+    def __init__(self, lanes: dict[str, Lane], shard_count: int, worker_id: str):
+        self.lanes = lanes
+        self.shard_count = shard_count
+        self.worker_id = worker_id
+        self.preferred = frozenset(range(shard_count))
+        self._found_nothing = dict.fromkeys(lanes, True)  # lane name -> its last read found nothing
+        self._changed = asyncio.Event()
+
+    def assign(self, live: list[str]) -> None:
+        """Prefer this worker's share of the shards among `live` (the workers of the model, any order)."""
+        ranked = sorted(set(live) | {self.worker_id})
+        rank, count = ranked.index(self.worker_id), len(ranked)
+        if count >= self.shard_count:
+            preferred = frozenset({rank % self.shard_count})
+        else:
+            preferred = frozenset(k for k in range(self.shard_count) if k % count == rank)
+        if preferred != self.preferred:
+            log.info("worker %s prefers shards %s of %d", self.worker_id, sorted(preferred), self.shard_count)
+            self.preferred = preferred
+            self._wake()
+
+    def may_read(self, lane: str) -> bool:
+        """A lane of a preferred shard always; another only while every own lane of its priority is empty."""
+        this = self.lanes[lane]
+        if this.shard.index in self.preferred:
+            return True
+        return all(
+            self._found_nothing[name]
+            for name, other in self.lanes.items()
+            if other.priority == this.priority and other.shard.index in self.preferred
+        )
+
+    def found(self, lane: str, anything: bool) -> None:
+        """What a lane's last read found; a lane of ours found empty may let another shard's reader go."""
+        was_empty = self._found_nothing[lane]
+        self._found_nothing[lane] = not anything
+        if not anything and not was_empty:
+            self._wake()
+
+    async def changed(self) -> None:
+        """Until the preferred shards change or one of their lanes is found empty."""
+        await self._changed.wait()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, redis: aioredis.Redis, home: Shard, model: str) -> None:
+        """Re-read the live workers of `model` every FOLLOW_INTERVAL_S, and prefer accordingly."""
+        while True:
+            try:
+                self.assign(await live_workers(redis, home, model))
+            except REDIS_FAILURES as exc:
+                log.debug("could not read the live workers: %s", exc)
+            await asyncio.sleep(FOLLOW_INTERVAL_S)
+
+
+async def live_workers(redis: aioredis.Redis, home: Shard, model: str) -> list[str]:
+    """The ids of the workers whose heartbeat says they serve `model`."""
+    keys = [key async for key in redis.scan_iter(match=f"{home.worker_key_prefix}*", count=1000)]
+    live = []
+    for raw in await redis.mget(keys) if keys else []:
+        if raw is None:
+            continue
+        try:
+            beat = Heartbeat.decode(raw)
+        except ProtocolError:
+            continue
+        if beat.model == model:
+            live.append(beat.worker_id)
+    return live
