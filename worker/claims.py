@@ -185,8 +185,7 @@ class RequestStreams:
 
     async def read_available(self, lane: str, count: int) -> tuple[list[Entry], str]:
         """Up to `count` new entries of one lane's stream, without waiting, and its mark (`RequestStream.read_available`)."""
-        entries, mark = await self.by_lane[lane].read_available(count)
-        return self._handles(lane, entries), mark
+        return await self.by_lane[lane].read_available(count)
 
     async def wait_beyond(self, lane: str, mark: str, block_ms: int) -> None:
         await self.by_lane[lane].wait_beyond(mark, block_ms)

@@ -27,7 +27,8 @@ from tests.support.process_stack import (
     eventually,
     streaming,
 )
-from tests.support.sentinel_stack import SERVICE, SentinelSet, SentinelStack
+from tests.support.sentinel_stack import SERVICE, SentinelSet
+from tests.support.sentinel_stack import sentinel_stack as stack_on
 
 KINDS = ["redis6", "valkey9"]
 RESUME_TIMEOUT_S = 15  # the gateway's default
@@ -87,27 +88,27 @@ async def test_redis_killed_and_restarted_every_stream_ends_with_its_exact_text(
 @pytest.fixture(params=KINDS)
 def sentinel_stack(request, tmp_path, tiny_model_dir):
     sentinels = SentinelSet(tmp_path / "sentinel-set", request.param).start()
-    stack = SentinelStack(sentinels, StackSpec("sentinel", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir)
+    stack = stack_on(sentinels, StackSpec("sentinel", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir)
     try:
-        yield stack
+        yield stack, sentinels
     finally:
         stack.close()
         sentinels.close()
 
 
 async def test_sentinel_failover_every_stream_ends_with_its_exact_text(sentinel_stack, pool):
-    stack = sentinel_stack
+    stack, sentinels = sentinel_stack
     stack.start_worker()
     stack.start_gateway()
     await stack.wait_ready()
 
     async def failover():
-        stack.sentinels.kill_primary()
-        await stack.sentinels.wait_failover()
+        sentinels.kill_primary()
+        await sentinels.wait_failover()
 
     problems = await _through_a_fault(stack, pool, streams=4, fault=failover)
     assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
-    assert stack.admin.info("server")["tcp_port"] == stack.sentinels.replica.port
+    assert stack.admin.info("server")["tcp_port"] == sentinels.replica.port
     stack.assert_alive()
     await _nothing_left(stack)
 
@@ -222,7 +223,7 @@ async def test_ten_sentinel_failovers_in_a_row_under_16_streams(kind, tmp_path, 
     """10 failovers in a row (the primary SIGKILLed, the replica promoted, the old primary back as a
     replica), each while 16 greedy streams run; every stream exact."""
     sentinels = SentinelSet(tmp_path / "sentinel-set", kind).start()
-    stack = SentinelStack(sentinels, StackSpec("sentinel", workers=2, gateways=1), tmp_path / "stack", tiny_model_dir)
+    stack = stack_on(sentinels, StackSpec("sentinel", workers=2, gateways=1), tmp_path / "stack", tiny_model_dir)
     try:
         for _ in range(2):
             stack.start_worker(LMQ_MAX_SEQS="8", LMQ_KV_MEMORY="16MiB")

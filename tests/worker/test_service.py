@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 import protocol
 from lmq.redis_server import find_redis_server, free_tcp_port
 from protocol import DEAD_LETTER_STREAM, REQUEST_GROUP, progress_key
+from protocol.keys import INTERACTIVE
 from tests.support.worker_harness import (
     STREAM,
     chat_request,
@@ -24,7 +25,7 @@ from tests.support.worker_harness import (
     worker_config,
 )
 from tests.support.worker_process import SlowModel
-from worker.claims import Entry, RequestStream
+from worker.claims import Entry, EntryRef, RequestStream
 from worker.stub_model import stub_model
 
 
@@ -249,7 +250,9 @@ async def test_a_worker_that_claims_back_an_entry_it_is_running_keeps_running_it
 
         await wait_for(running, what="the request running")
         [(_, fields)] = await redis_client.xrange(STREAM, entry_id, entry_id)
-        await worker._admit(Entry(entry_id, fields), claimed=True)  # what the claim loop does with it
+        await worker._admit(
+            Entry(EntryRef(INTERACTIVE, entry_id), fields), claimed=True
+        )  # what the claim loop does with it
         events = await final_events(redis_client, "out:mine")
     assert events[-1]["type"] == "done", events[-1]
     assert len(streamed_tokens(events)) == 40
