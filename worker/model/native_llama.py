@@ -25,13 +25,13 @@ import torch
 from worker.batch import PagedKV, StepBatch
 from worker.model.checkpoint import Checkpoint
 from worker.model.families.llama import split_projections
-from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear, quantize_int4
-from worker.model.weights import INT4_GROUP, Int4Blocks
+from worker.model.native_pack import BLOCK_N, QuantMatrix, kernel_format, matrix, native_blocks, pack_parts
+from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear
+from worker.model.weights import INT4_GROUP
 from worker.native import build
 
 log = logging.getLogger(__name__)
 
-BLOCK_N = 16  # output rows the kernel computes together
 # Steps of this many rows and more run their linears on AMX tiles where the CPU has them: a tile product
 # costs about the same for 1 row as for 16, VNNI's grow with the rows: the crossover measured in
 # docs/benchmarks.md ("The native step's linears, second pass").
@@ -40,13 +40,8 @@ PHASES = ("embedding, rope tables", "norms + quantizing x", "q/k/v", "rope + K/V
           "gate/up", "SiLU·mul (+ quantizing)", "down", "final norm + head")  # fmt: skip
 
 
-class Int4Matrix(ctypes.Structure):
-    _fields_ = [("nibbles", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]  # fmt: skip
-
-
 class LayerWeights(ctypes.Structure):
-    _fields_ = [("qkv", Int4Matrix), ("o", Int4Matrix), ("gate_up", Int4Matrix), ("down", Int4Matrix),
+    _fields_ = [("qkv", QuantMatrix), ("o", QuantMatrix), ("gate_up", QuantMatrix), ("down", QuantMatrix),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]  # fmt: skip
 
 
@@ -64,31 +59,6 @@ class StepStruct(ctypes.Structure):
                 ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p), ("layer_stride", ctypes.c_int64),
                 ("page_size", ctypes.c_int64), ("logit_rows", ctypes.c_void_p), ("logit_count", ctypes.c_int64),
                 ("logits", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p)]  # fmt: skip
-
-
-def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Int4Blocks -> (nibbles, scales, mins) as the .cpp reads them, blocks of 16 output rows, group by group.
-
-    nibbles [N/16, G, 4, 16, 2] int16: in group g, word (row n, e) of vector j holds 4 nibbles, the one at
-    bits 4s being the row's value 2p + e with p = 4j + s: shifted and masked, vector j gives the pairs
-    4j..4j+3 of all 16 rows, one vpdpwssd operand each.
-    scales and mins [N/16, G, 16] fp16 (value = scale * q + min).
-    """
-    q = blocks.q.to(torch.int32)
-    n, k = q.shape
-    pairs = q.reshape(n // BLOCK_N, BLOCK_N, k // INT4_GROUP, 4, 4, 2).permute(
-        0, 2, 3, 4, 1, 5
-    )  # [N/16, G, j, s, row, e]
-    words = sum(pairs[:, :, :, s] << (4 * s) for s in range(4))
-    nibbles = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16).contiguous()
-    mins = blocks.zero - 8 * blocks.scale
-    return nibbles, _by_block(blocks.scale.to(torch.float16)), _by_block(mins.to(torch.float16))
-
-
-def _by_block(per_row: torch.Tensor) -> torch.Tensor:
-    """[N, G] -> [N/16, G, 16]: a group's values for 16 output rows side by side."""
-    n = per_row.shape[0]
-    return per_row.view(n // BLOCK_N, BLOCK_N, -1).transpose(1, 2).contiguous()
 
 
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +90,8 @@ class NativeLlamaSteps:
         # Every step on all the worker's threads: the native step wakes them once, not once per operator, so
         # even one row gains from two (worker/step_threads.py's rule is for torch's many small operators).
         self.threads = torch.get_num_threads()
-        self._keep: list[torch.Tensor] = []  # every tensor the structs point into
+        self._keep: list = []  # every tensor and struct the structs point into
+        self.formats: dict[str, str] = {}  # each linear's weights as the kernel reads them, e.g. "Q5_0 as int5/fp16/32"
         layers = [self._layer(model, checkpoint, index) for index in range(config.num_layers)]
         self._layers = (LayerWeights * len(layers))(*layers)
         head_q, head_scale = head_int8(model.lm_head)
@@ -145,12 +116,11 @@ class NativeLlamaSteps:
         self._keep.append(tensor)
         return tensor.data_ptr()
 
-    def _matrix(self, checkpoint: Checkpoint, names: list[str]) -> Int4Matrix:
-        sources = [checkpoint.weights[name + ".weight"] for name in names]
-        blocks = Int4Blocks.cat([source.int4() or quantize_int4(source.load()) for source in sources])
-        nibbles, scales, mins = pack_int4(blocks)
-        n, k = blocks.q.shape
-        return Int4Matrix(self._pointer(nibbles), self._pointer(scales), self._pointer(mins), n, k)
+    def _matrix(self, checkpoint: Checkpoint, names: list[str]) -> QuantMatrix:
+        blocks = [native_blocks(checkpoint.weights[name + ".weight"]) for name in names]
+        for name, part in zip(names, blocks):
+            self.formats[name] = kernel_format(part)
+        return matrix(pack_parts(blocks), self._keep)
 
     def _layer(self, model: torch.nn.Module, checkpoint: Checkpoint, index: int) -> LayerWeights:
         qkv, gate_up = split_projections(index)

@@ -43,3 +43,51 @@ class TensorSource:
 
 
 WeightMap = dict[str, TensorSource]
+
+
+@dataclass
+class QuantBlocks:
+    """Integer weights with a scale and a min per group along the input dim: value = scale * q + min.
+
+    The form every GGUF type the native step reads reduces to, exactly (worker/model/gguf_blocks.py);
+    bits says how the native kernel stores q: 4 or 5 (unsigned, with min), 8 (signed, min None: 0).
+    """
+
+    qtype: str  # the file's type ("Q5_0", ...), or "int4" for lmq's own quantization of float weights
+    q: torch.Tensor  # [N, K] int16
+    scale: torch.Tensor  # [N, K // group] float32
+    min: torch.Tensor | None  # [N, K // group] float32, or None
+    group: int  # 32, or 16 (Q6_K)
+    bits: int
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        groups = self.q.float().view(n, k // self.group, self.group) * self.scale[..., None]
+        return (groups if self.min is None else groups + self.min[..., None]).view(n, k)
+
+    def rows(self, index: torch.Tensor) -> QuantBlocks:
+        low = None if self.min is None else self.min[index]
+        return QuantBlocks(self.qtype, self.q[index], self.scale[index], low, self.group, self.bits)
+
+    def int4(self) -> Int4Blocks | None:
+        """The same weights as Int4Blocks (scale, zero = min + 8 scale), where they are 4-bit groups of INT4_GROUP."""
+        if self.bits != 4 or self.group != INT4_GROUP:
+            return None
+        return Int4Blocks(self.q.to(torch.uint8), self.scale, self.min + 8 * self.scale)
+
+    @staticmethod
+    def from_int4(blocks: Int4Blocks) -> QuantBlocks:
+        """lmq's own int4 (quantize_int4 of float weights), its scales and mins rounded to fp16 as the native step always kept them."""
+        scale, low = blocks.scale.half().float(), (blocks.zero - 8 * blocks.scale).half().float()
+        return QuantBlocks("int4", blocks.q.to(torch.int16), scale, low, INT4_GROUP, 4)
+
+    @staticmethod
+    def cat(parts: list[QuantBlocks]) -> QuantBlocks:
+        first = parts[0]
+        if any((p.bits, p.group, p.min is None) != (first.bits, first.group, first.min is None) for p in parts):
+            raise ValueError("QuantBlocks.cat: the parts differ in layout")
+        low = None if first.min is None else torch.cat([p.min for p in parts])
+        qtype = "+".join(dict.fromkeys(p.qtype for p in parts))
+        return QuantBlocks(
+            qtype, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), low, first.group, first.bits
+        )

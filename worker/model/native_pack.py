@@ -1,0 +1,168 @@
+"""Weights packed for the native step's linears (worker/native/quant_linear.h), one format per matrix.
+
+`pack(blocks)` lays out a QuantBlocks (integer q, a scale and a min per group: every GGUF type the
+native step reads, exactly as the file holds it) in the kernel's layout for its bits, with fp16 scales
+where every scale and min of the matrix is exactly an fp16 (the files' own d and m) and float32 where
+not (K-quant products d * sc). `matrix(parts, keep)` makes the ctypes struct a step points to: parts
+of a fused matrix (q, k, v) in different formats chain, each running on its own kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from worker.model.quant_linear import quantize_int4
+from worker.model.weights import QuantBlocks, TensorSource
+
+BLOCK_N = 16  # output rows the kernel computes together
+GROUP = 32  # input values per group of x (its int16 scale)
+
+
+class QuantMatrix(ctypes.Structure):
+    pass
+
+
+QuantMatrix._fields_ = [
+    ("weights", ctypes.c_void_p),
+    ("scales", ctypes.c_void_p),
+    ("mins", ctypes.c_void_p),
+    ("n", ctypes.c_int64),
+    ("k", ctypes.c_int64),
+    ("bits", ctypes.c_int32),
+    ("scale_bytes", ctypes.c_int32),
+    ("group", ctypes.c_int32),
+    ("reserved", ctypes.c_int32),
+    ("next", ctypes.POINTER(QuantMatrix)),
+]
+
+
+@dataclass
+class PackedMatrix:
+    """One format's rows of a matrix as the kernel reads them; qtypes: the file types they came from."""
+
+    weights: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    n: int
+    k: int
+    bits: int
+    group: int
+    qtypes: tuple[str, ...]
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.scales.element_size()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weights, self.scales, self.mins) if t is not None)
+
+
+def kernel_format(blocks: QuantBlocks) -> str:
+    """The file's type and how the kernel reads it: bits, scales' type, group; e.g. "Q4_K as int4/f32/32"."""
+    return f"{blocks.qtype} as int{blocks.bits}/{'fp16' if _fp16_exact(blocks) else 'f32'}/{blocks.group}"
+
+
+def pack(blocks: QuantBlocks) -> PackedMatrix:
+    n, k = blocks.q.shape
+    if n % BLOCK_N or k % GROUP:
+        raise ValueError(f"a native matrix needs rows in multiples of {BLOCK_N} and columns of {GROUP}, not {n}x{k}")
+    q = blocks.q.to(torch.int32)
+    if blocks.bits == 8:
+        weights = _pairs(q).to(torch.int8).contiguous()
+    else:
+        weights = _nibbles(q & 0x0F)
+        if blocks.bits == 5:
+            weights = torch.cat((weights, _high_bits(q >> 4)), dim=2).contiguous()
+    dtype = torch.float16 if _fp16_exact(blocks) else torch.float32
+    mins = None if blocks.min is None else _by_block(blocks.min.to(dtype))
+    return PackedMatrix(
+        weights, _by_block(blocks.scale.to(dtype)), mins, n, k, blocks.bits, blocks.group, (blocks.qtype,)
+    )
+
+
+def _fp16_exact(blocks: QuantBlocks) -> bool:
+    values = [blocks.scale] if blocks.min is None else [blocks.scale, blocks.min]
+    return all(torch.equal(v.to(torch.float16).float(), v) for v in values)
+
+
+def _pairs(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/32, 16, 16, 2]: in each group, pair p of the block's 16 rows side by side."""
+    n, k = q.shape
+    return q.reshape(n // BLOCK_N, BLOCK_N, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] of 0..15 -> [N/16, K/32, 4, 16, 2] int16: word (row, e) of vector j holds pairs 4j..4j+3's values e."""
+    pairs = _pairs(q)  # [N/16, G, p, row, e]
+    s = pairs.shape
+    pairs = pairs.reshape(s[0], s[1], 4, 4, s[3], 2)  # [.., j, s, row, e]
+    words = sum(pairs[:, :, :, shift] << (4 * shift) for shift in range(4))
+    return _as_int16(words)
+
+
+def _high_bits(bit: torch.Tensor) -> torch.Tensor:
+    """[N, K] of 0..1 -> [N/16, K/32, 1, 16, 2] int16: bit p of word (row, e) is pair p's value e's."""
+    pairs = _pairs(bit)  # [.., p, row, e]
+    words = sum(pairs[:, :, p] << p for p in range(GROUP // 2))
+    return _as_int16(words).unsqueeze(2)
+
+
+def _as_int16(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16).contiguous()
+
+
+def _by_block(per_row: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> [N/16, G, 16]: a group's values for 16 output rows side by side."""
+    n = per_row.shape[0]
+    return per_row.reshape(n // BLOCK_N, BLOCK_N, -1).transpose(1, 2).contiguous()
+
+
+def pack_parts(parts: list[QuantBlocks]) -> list[PackedMatrix]:
+    """A fused matrix's parts (its output rows in order), adjacent parts of one layout packed as one."""
+    runs: list[list[QuantBlocks]] = []
+    for blocks in parts:
+        if runs and _layout(runs[-1][-1]) == _layout(blocks) and _fp16_exact(runs[-1][-1]) == _fp16_exact(blocks):
+            runs[-1].append(blocks)
+        else:
+            runs.append([blocks])
+    packed = []
+    for run in runs:
+        matrix = pack(QuantBlocks.cat(run))
+        matrix.qtypes = tuple(dict.fromkeys(blocks.qtype for blocks in run))
+        packed.append(matrix)
+    return packed
+
+
+def _layout(blocks: QuantBlocks) -> tuple[int, int, bool]:
+    return blocks.bits, blocks.group, blocks.min is None
+
+
+def matrix(parts: list[PackedMatrix], keep: list) -> QuantMatrix:
+    """The struct of a matrix made of `parts`; every tensor and struct it points into is appended to `keep`."""
+    structs = []
+    for part in parts:
+        keep.extend(t for t in (part.weights, part.scales, part.mins) if t is not None)
+        structs.append(
+            QuantMatrix(
+                weights=part.weights.data_ptr(),
+                scales=part.scales.data_ptr(),
+                mins=None if part.mins is None else part.mins.data_ptr(),
+                n=part.n,
+                k=part.k,
+                bits=part.bits,
+                scale_bytes=part.scale_bytes,
+                group=part.group,
+            )
+        )
+    for this, following in zip(structs, structs[1:]):
+        this.next = ctypes.pointer(following)
+    keep.extend(structs)
+    return structs[0]
+
+
+def native_blocks(source: TensorSource) -> QuantBlocks:
+    """A tensor as the native step's linears take it: the file's own 4-bit blocks, else lmq's int4 of its floats."""
+    return QuantBlocks.from_int4(source.int4() or quantize_int4(source.load()))
