@@ -17,6 +17,7 @@ library loads.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 
@@ -25,7 +26,15 @@ import torch
 from worker.batch import PagedKV, StepBatch
 from worker.model.checkpoint import Checkpoint
 from worker.model.families.llama import split_projections
-from worker.model.native_pack import BLOCK_N, QuantMatrix, kernel_format, matrix, native_blocks, pack_parts
+from worker.model.native_pack import (
+    BLOCK_N,
+    NoNativeKernel,
+    QuantMatrix,
+    kernel_format,
+    matrix,
+    native_blocks,
+    pack_parts,
+)
 from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear
 from worker.model.weights import INT4_GROUP
 from worker.native import build
@@ -94,6 +103,9 @@ class NativeLlamaSteps:
         self.formats: dict[str, str] = {}  # each linear's weights as the kernel reads them, e.g. "Q5_0 as int5/fp16/32"
         layers = [self._layer(model, checkpoint, index) for index in range(config.num_layers)]
         self._layers = (LayerWeights * len(layers))(*layers)
+        if amx_from_rows and not all(f.endswith(" as int4/fp16/32") for f in self.formats.values()):
+            log.info("AMX tiles off: they run int4 weights with fp16 scales only; every step on VNNI")
+            amx_from_rows = 0
         head_q, head_scale = head_int8(model.lm_head)
         self.head_rows = head_q.shape[0] * BLOCK_N
         self.struct = ModelStruct(
@@ -117,7 +129,7 @@ class NativeLlamaSteps:
         return tensor.data_ptr()
 
     def _matrix(self, checkpoint: Checkpoint, names: list[str]) -> QuantMatrix:
-        blocks = [native_blocks(checkpoint.weights[name + ".weight"]) for name in names]
+        blocks = [native_blocks(name, checkpoint.weights[name + ".weight"]) for name in names]
         for name, part in zip(names, blocks):
             self.formats[name] = kernel_format(part)
         return matrix(pack_parts(blocks), self._keep)
@@ -162,7 +174,10 @@ class NativeLlamaSteps:
         )  # fmt: skip
         status = self.library.lmq_step(ctypes.byref(self.struct), ctypes.byref(step), self.threads)
         if status != 0:
-            raise RuntimeError(f"the native step refused the model's shapes (status {status})")
+            reason = {1: "shapes", 2: "weight formats", 3: "weight formats on AMX tiles"}.get(
+                status, f"status {status}"
+            )
+            raise RuntimeError(f"the native step refused the model's {reason}")
         return logits[:, : self.vocab]
 
 
@@ -195,10 +210,17 @@ def attach_native_steps(
     if library is None:
         return False
     amx_from_rows = 0 if invariant or not amx_usable(library) else AMX_FROM_ROWS
-    model.native_steps = NativeLlamaSteps(library, model, checkpoint, None if invariant else max_rows, amx_from_rows)
+    try:
+        native = NativeLlamaSteps(library, model, checkpoint, None if invariant else max_rows, amx_from_rows)
+    except NoNativeKernel as error:
+        log.info("native steps off: %s", error)
+        return False
+    model.native_steps = native
     limit = f" of fewer than {max_rows} tokens" if max_rows and not invariant else ""
-    tiles = f", from {amx_from_rows} rows on AMX tiles" if amx_from_rows else ""
-    log.info("steps%s run natively (one call per step; linears int4 x int16 on VNNI%s)", limit, tiles)
+    tiles = f", from {native.struct.amx_from_rows} rows on AMX tiles" if native.struct.amx_from_rows else ""
+    kinds = collections.Counter(f.split(" as ")[0] for f in native.formats.values())
+    weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
+    log.info("steps%s run natively (one call per step; linears %s x int16 on VNNI%s)", limit, weights, tiles)
     return True
 
 

@@ -163,6 +163,25 @@ def matrix(parts: list[PackedMatrix], keep: list) -> QuantMatrix:
     return structs[0]
 
 
-def native_blocks(source: TensorSource) -> QuantBlocks:
-    """A tensor as the native step's linears take it: the file's own 4-bit blocks, else lmq's int4 of its floats."""
-    return QuantBlocks.from_int4(source.int4() or quantize_int4(source.load()))
+FLOAT_TYPES = {None, "F32", "F16", "BF16"}  # float weights: the native step quantizes them to int4 itself
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+class NoNativeKernel(ValueError):
+    """A tensor of a quantized type the native kernels do not read (Q2_K, IQ4_XS, ...): the model runs on torch."""
+
+
+def native_blocks(name: str, source: TensorSource) -> QuantBlocks:
+    """A tensor as the native step's linears take it: the file's own blocks as they are, or lmq's int4 of its floats.
+
+    A quantized type with no kernel is refused by name rather than re-quantized: that would lose what
+    the file's author kept.
+    """
+    blocks = source.blocks()
+    if blocks is not None:
+        return blocks
+    if source.qtype not in FLOAT_TYPES:
+        raise NoNativeKernel(
+            f"{name} is {source.qtype}, a type with no native kernel (those: {', '.join(NATIVE_TYPES)})"
+        )
+    return QuantBlocks.from_int4(quantize_int4(source.load()))

@@ -40,6 +40,9 @@ class TensorSource:
     shape: tuple[int, ...]
     load: Callable[[], torch.Tensor]
     int4: Callable[[], Int4Blocks | None] = lambda: None
+    # The file's own quantized blocks for the native step's kernels (GGUF Q4_0 ... Q6_K), else None.
+    blocks: Callable[[], QuantBlocks | None] = lambda: None
+    qtype: str | None = None  # the file's type name (GGUF: "Q5_0", "F32", ...), None where the format has none
 
 
 WeightMap = dict[str, TensorSource]
