@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
+from tests.support.gguf_blocks import raw_tensor
 from worker.model.gguf_blocks import FORMATS, gguf_blocks
 from worker.model.native_pack import kernel_format, matrix, pack_parts
 from worker.model.weights import QuantBlocks
@@ -27,7 +28,6 @@ pytestmark = pytest.mark.skipif(
     build.missing_requirements() is not None, reason=f"native: {build.missing_requirements()}"
 )
 
-K_QUANT_SCALES = {QType.Q4_K: ((0, 2e-3), (2, 2e-3)), QType.Q5_K: ((0, 1e-3), (2, 1e-3)), QType.Q6_K: ((208, 2e-4),)}
 EXPECTED_FORMATS = {
     QType.Q4_0: "int4/fp16/32",
     QType.Q4_1: "int4/fp16/32",
@@ -38,20 +38,6 @@ EXPECTED_FORMATS = {
     QType.Q5_K: "int5/f32/32",
     QType.Q6_K: "int8/f32/16",
 }
-
-
-def raw_tensor(qtype: QType, rows: int, columns: int, seed: int = 0) -> np.ndarray:
-    """A [rows, columns] tensor of `qtype` as a GGUF file holds it: [rows, bytes per row] uint8."""
-    rng = np.random.default_rng(seed)
-    if qtype not in K_QUANT_SCALES:
-        return quantize(rng.standard_normal((rows, columns)).astype(np.float32) * 0.05, qtype)
-    block_bytes, block_values = FORMATS[qtype][:2]
-    count = rows * columns // block_values
-    blocks = rng.integers(0, 256, size=(count, block_bytes), dtype=np.uint8)
-    for offset, size in K_QUANT_SCALES[qtype]:
-        scales = rng.uniform(0.2 * size, size, count).astype(np.float16)
-        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(count, 2)
-    return blocks.reshape(rows, -1)
 
 
 def native_linear(parts: list[QuantBlocks], x: torch.Tensor, threads: int = 2) -> torch.Tensor:
