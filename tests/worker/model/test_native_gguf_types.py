@@ -21,7 +21,9 @@ from gguf import GGMLQuantizationType as QType
 from tests.support.gguf_blocks import raw_tensor
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from tests.support.tiny_model import make_tiny_model
+from worker.model.gguf_loader import read_gguf_checkpoint
 from worker.model.loader import LoadedModel, load_model
+from worker.model.native_llama import AMX_FROM_ROWS, NativeLlamaSteps
 from worker.native import build
 
 pytestmark = pytest.mark.skipif(
@@ -146,3 +148,18 @@ def test_a_type_with_no_kernel_is_refused_by_name(
         loaded = load_model(str(path), dtype="bfloat16", quant="int4", device="cpu")
     assert loaded.model.native_steps is None  # served by torch instead
     assert "model.layers.1.self_attn.o_proj is Q2_K, a type with no native kernel" in caplog.text
+
+
+def test_amx_tiles_are_off_for_the_formats_they_do_not_run(mixed_gguf: pathlib.Path) -> None:
+    """Tiles run int4 with fp16 scales only: asked for on other formats, the Python side turns them off,
+    and the library refuses a step rather than misread the weights (checked before any tile instruction,
+    so this runs on CPUs without AMX too)."""
+    loaded = load_model(str(mixed_gguf), dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")
+    steps = NativeLlamaSteps(
+        loaded.model.native_steps.library, loaded.model, read_gguf_checkpoint(mixed_gguf), None, AMX_FROM_ROWS
+    )
+    assert steps.struct.amx_from_rows == 0
+    steps.struct.amx_from_rows = AMX_FROM_ROWS
+    kv = allocate_kv(loaded.config, num_pages=2, page_size=16, dtype=loaded.dtype)
+    with pytest.raises(RuntimeError, match="weight formats on AMX tiles"):
+        steps.forward(make_batch([Chunk(list(range(10, 20)), 0, [0])], 16), kv)
