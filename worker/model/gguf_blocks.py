@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import Q4_K
 
-from worker.model.weights import Int4Blocks, QuantBlocks
+from worker.model.weights import Int4Blocks, QuantBlocks, SuperScales
 
 
 def _f16(column: np.ndarray) -> np.ndarray:
@@ -59,9 +59,10 @@ def _q8_0(b: np.ndarray):
 
 
 def _k_scales(b: np.ndarray):
-    """Q4_K / Q5_K super-block scales: (a, m) [blocks, 8] float32 for its 8 groups of 32."""
+    """Q4_K / Q5_K super-block scales: (a, m) [blocks, 8] float32 for its 8 groups of 32, and their levels."""
     sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-    return _f16(b[:, 0:2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * mn.astype(np.float32))
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32)), (sc, mn, d, dmin)
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -71,14 +72,14 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q4_k(b: np.ndarray):
-    a, m = _k_scales(b)
-    return _k_nibbles(b[:, 16:144]), a, m
+    a, m, levels = _k_scales(b)
+    return _k_nibbles(b[:, 16:144]), a, m, levels
 
 
 def _q5_k(b: np.ndarray):
-    a, m = _k_scales(b)
+    a, m, levels = _k_scales(b)
     high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1  # bit g: group g's
-    return _k_nibbles(b[:, 48:176]) | (high << 4), a, m
+    return _k_nibbles(b[:, 48:176]) | (high << 4), a, m, levels
 
 
 def _q6_k(b: np.ndarray):
@@ -88,8 +89,9 @@ def _q6_k(b: np.ndarray):
     low = np.stack((ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4), axis=2)
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     q = (low | (high << 4)).astype(np.int16) - 32
-    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
-    return q.reshape(n, 256), _f16(b[:, 208:210]) * scales, None
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8)
+    d = _f16(b[:, 208:210])
+    return q.reshape(n, 256), d * sc.astype(np.float32), None, (sc, None, d, None)
 
 
 # type: (bytes per block, values per block, group, bits, unpack)
@@ -110,7 +112,7 @@ def gguf_blocks(raw: np.ndarray, qtype: QType, rows: int, columns: int) -> Quant
     if qtype not in FORMATS:
         return None
     block_bytes, _, group, bits, unpack = FORMATS[qtype]
-    q, scale, offset = unpack(np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes))
+    q, scale, offset, *levels = unpack(np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes))
     return QuantBlocks(
         qtype=qtype.name,
         q=torch.from_numpy(np.ascontiguousarray(q).reshape(rows, columns).astype(np.int16)),
@@ -120,6 +122,23 @@ def gguf_blocks(raw: np.ndarray, qtype: QType, rows: int, columns: int) -> Quant
         else torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, columns // group)),
         group=group,
         bits=bits,
+        super=_super_scales(levels[0], rows, columns, group) if levels else None,
+    )
+
+
+def _super_scales(levels: tuple, rows: int, columns: int, group: int) -> SuperScales:
+    sc, mn, d, dmin = levels
+
+    def per_row(values: np.ndarray | None, size: int, dtype: type) -> torch.Tensor | None:
+        if values is None:
+            return None
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(rows, columns // size).astype(dtype))
+
+    return SuperScales(
+        per_row(sc, group, np.int16),
+        per_row(mn, group, np.int16),
+        per_row(d, 256, np.float32),
+        per_row(dmin, 256, np.float32),
     )
 
 

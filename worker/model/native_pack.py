@@ -29,6 +29,8 @@ QuantMatrix._fields_ = [
     ("weights", ctypes.c_void_p),
     ("scales", ctypes.c_void_p),
     ("mins", ctypes.c_void_p),
+    ("super_scales", ctypes.c_void_p),
+    ("super_mins", ctypes.c_void_p),
     ("n", ctypes.c_int64),
     ("k", ctypes.c_int64),
     ("bits", ctypes.c_int32),
@@ -51,18 +53,28 @@ class PackedMatrix:
     bits: int
     group: int
     qtypes: tuple[str, ...]
+    super_scales: torch.Tensor | None = None  # K-quants: fp16 d [N/16, K/256, 16], scales then their 8-bit sc
+    super_mins: torch.Tensor | None = None
 
     @property
     def scale_bytes(self) -> int:
         return self.scales.element_size()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weights, self.scales, self.mins) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        parts = (self.weights, self.scales, self.mins, self.super_scales, self.super_mins)
+        return [t for t in parts if t is not None]
 
 
 def kernel_format(blocks: QuantBlocks) -> str:
-    """The file's type and how the kernel reads it: bits, scales' type, group; e.g. "Q4_K as int4/f32/32"."""
-    return f"{blocks.qtype} as int{blocks.bits}/{'fp16' if _fp16_exact(blocks) else 'f32'}/{blocks.group}"
+    """The file's type and how the kernel reads it: bits, scales, group; e.g. "Q5_0 as int5/fp16/32".
+
+    Scales: fp16 or f32 per group, or "k8": a K-quant's own 8-bit sc per group times an fp16 d per 256.
+    """
+    scales = "k8" if blocks.super is not None else "fp16" if _fp16_exact(blocks) else "f32"
+    return f"{blocks.qtype} as int{blocks.bits}/{scales}/{blocks.group}"
 
 
 def pack(blocks: QuantBlocks) -> PackedMatrix:
@@ -76,11 +88,17 @@ def pack(blocks: QuantBlocks) -> PackedMatrix:
         weights = _nibbles(q & 0x0F)
         if blocks.bits == 5:
             weights = torch.cat((weights, _high_bits(q >> 4)), dim=2).contiguous()
+    qtypes = (blocks.qtype,)
+    if blocks.super is not None:
+        levels = blocks.super
+        sub = torch.int8 if blocks.bits == 8 else torch.uint8
+        mins = None if levels.mn is None else _by_block(levels.mn.to(torch.uint8))
+        dmin = None if levels.dmin is None else _by_block(levels.dmin.half())
+        scales, d = _by_block(levels.sc.to(sub)), _by_block(levels.d.half())
+        return PackedMatrix(weights, scales, mins, n, k, blocks.bits, blocks.group, qtypes, d, dmin)
     dtype = torch.float16 if _fp16_exact(blocks) else torch.float32
     mins = None if blocks.min is None else _by_block(blocks.min.to(dtype))
-    return PackedMatrix(
-        weights, _by_block(blocks.scale.to(dtype)), mins, n, k, blocks.bits, blocks.group, (blocks.qtype,)
-    )
+    return PackedMatrix(weights, _by_block(blocks.scale.to(dtype)), mins, n, k, blocks.bits, blocks.group, qtypes)
 
 
 def _fp16_exact(blocks: QuantBlocks) -> bool:
@@ -124,7 +142,7 @@ def pack_parts(parts: list[QuantBlocks]) -> list[PackedMatrix]:
     """A fused matrix's parts (its output rows in order), adjacent parts of one layout packed as one."""
     runs: list[list[QuantBlocks]] = []
     for blocks in parts:
-        if runs and _layout(runs[-1][-1]) == _layout(blocks) and _fp16_exact(runs[-1][-1]) == _fp16_exact(blocks):
+        if runs and runs[-1][-1].layout() == blocks.layout() and _fp16_exact(runs[-1][-1]) == _fp16_exact(blocks):
             runs[-1].append(blocks)
         else:
             runs.append([blocks])
@@ -136,20 +154,18 @@ def pack_parts(parts: list[QuantBlocks]) -> list[PackedMatrix]:
     return packed
 
 
-def _layout(blocks: QuantBlocks) -> tuple[int, int, bool]:
-    return blocks.bits, blocks.group, blocks.min is None
-
-
 def matrix(parts: list[PackedMatrix], keep: list) -> QuantMatrix:
     """The struct of a matrix made of `parts`; every tensor and struct it points into is appended to `keep`."""
     structs = []
     for part in parts:
-        keep.extend(t for t in (part.weights, part.scales, part.mins) if t is not None)
+        keep.extend(part.tensors())
         structs.append(
             QuantMatrix(
                 weights=part.weights.data_ptr(),
                 scales=part.scales.data_ptr(),
                 mins=None if part.mins is None else part.mins.data_ptr(),
+                super_scales=None if part.super_scales is None else part.super_scales.data_ptr(),
+                super_mins=None if part.super_mins is None else part.super_mins.data_ptr(),
                 n=part.n,
                 k=part.k,
                 bits=part.bits,

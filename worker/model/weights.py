@@ -62,6 +62,8 @@ class QuantBlocks:
     min: torch.Tensor | None  # [N, K // group] float32, or None
     group: int  # 32, or 16 (Q6_K)
     bits: int
+    # K-quants: their own two levels, which the native kernel reads (scale and min above are their products).
+    super: SuperScales | None = None
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -70,7 +72,8 @@ class QuantBlocks:
 
     def rows(self, index: torch.Tensor) -> QuantBlocks:
         low = None if self.min is None else self.min[index]
-        return QuantBlocks(self.qtype, self.q[index], self.scale[index], low, self.group, self.bits)
+        levels = None if self.super is None else self.super.rows(index)
+        return QuantBlocks(self.qtype, self.q[index], self.scale[index], low, self.group, self.bits, levels)
 
     def int4(self) -> Int4Blocks | None:
         """The same weights as Int4Blocks (scale, zero = min + 8 scale), where they are 4-bit groups of INT4_GROUP."""
@@ -87,10 +90,32 @@ class QuantBlocks:
     @staticmethod
     def cat(parts: list[QuantBlocks]) -> QuantBlocks:
         first = parts[0]
-        if any((p.bits, p.group, p.min is None) != (first.bits, first.group, first.min is None) for p in parts):
+        if any(p.layout() != first.layout() for p in parts):
             raise ValueError("QuantBlocks.cat: the parts differ in layout")
         low = None if first.min is None else torch.cat([p.min for p in parts])
+        levels = None if first.super is None else SuperScales.cat([p.super for p in parts])
         qtype = "+".join(dict.fromkeys(p.qtype for p in parts))
-        return QuantBlocks(
-            qtype, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), low, first.group, first.bits
-        )
+        q, scale = torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts])
+        return QuantBlocks(qtype, q, scale, low, first.group, first.bits, levels)
+
+    def layout(self) -> tuple[int, int, bool, bool]:
+        """What decides the native kernel's layout: parts alike in it can be one matrix."""
+        return self.bits, self.group, self.min is None, self.super is None
+
+
+@dataclass
+class SuperScales:
+    """A K-quant's scales as the file holds them: scale = d * sc, min = -(dmin * mn), d per 256 values."""
+
+    sc: torch.Tensor  # [N, K // group] int16 (Q4_K/Q5_K: 0..63; Q6_K: -128..127)
+    mn: torch.Tensor | None  # [N, K // group] int16 0..63, or None (Q6_K)
+    d: torch.Tensor  # [N, K // 256] float32 (fp16 values)
+    dmin: torch.Tensor | None
+
+    def rows(self, index: torch.Tensor) -> SuperScales:
+        return SuperScales(*(None if t is None else t[index] for t in (self.sc, self.mn, self.d, self.dmin)))
+
+    @staticmethod
+    def cat(parts: list[SuperScales]) -> SuperScales:
+        columns = zip(*((p.sc, p.mn, p.d, p.dmin) for p in parts))
+        return SuperScales(*(None if column[0] is None else torch.cat(column) for column in columns))

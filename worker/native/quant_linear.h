@@ -9,8 +9,10 @@
 //   bits 4: q in 0..15 with m     Q4_0 (m = -8 a), Q4_1, Q4_K (a = d * sc, m = -dmin * mn)
 //   bits 5: q in 0..31 with m     Q5_0 (m = -16 a), Q5_1, Q5_K
 //   bits 8: signed q, m = 0       Q8_0 (q in -128..127), Q6_K (q - 32 in -32..31, groups of 16, a = d * sc)
-// Scales and mins are fp16 where every value of the matrix is one exactly (the files' own d and m),
-// else float32 (K-quant products d * sc carry up to 18 significant bits: fp16 would round them).
+// Scales and mins are fp16 where every value of the matrix is one exactly (the files' own d and m);
+// the K-quants keep their own two levels, an 8-bit sc (and mn) per group and an fp16 d (and dmin) per
+// 256 values, multiplied out here in float32 (exact: up to 18 significant bits, which fp16 would round);
+// float32 scales for anything else.
 //
 // The input row is quantized to int16 with one scale d per group of 32 (why int16, not int8: the
 // comment at the top of llama_step.cpp), so per group
@@ -29,17 +31,20 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 struct QuantMatrix {
   const uint8_t* weights;
-  const void* scales;  // fp16 (scale_bytes 2) or float32 (4)
-  const void* mins;    // as scales; null for bits 8
+  const void* scales;  // fp16 (scale_bytes 2), float32 (4), or a K-quant's 8-bit sc (1: uint8, int8 for bits 8)
+  const void* mins;    // as scales (uint8 mn for K-quants); null for bits 8
+  const uint16_t* super_scales;  // K-quants (scale_bytes 1): fp16 d [N/16, K/256, 16], a = d * sc
+  const uint16_t* super_mins;    // K-quants with mins: fp16 dmin, m = -(dmin * mn)
   int64_t n, k;
   int32_t bits;         // 4, 5 or 8
-  int32_t scale_bytes;  // 2 or 4
+  int32_t scale_bytes;  // 1, 2 or 4
   int32_t group;        // 32, or 16 (bits 8 only)
   int32_t reserved;
   const QuantMatrix* next;  // further output rows in another format (a fused q/k/v whose parts differ), or null
@@ -137,6 +142,10 @@ inline void unpack<8>(const uint8_t* packed, __m512i* weights) {
 
 inline __m512 load_scales(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+inline __m512 load_scales(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+
+constexpr int64_t kSuperGroups = 256 / kGroup;  // groups of x per K-quant super-block
 
 // ---- the linears ----
 
@@ -151,6 +160,20 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
   const uint8_t* packed = w.weights + block * groups * kBytes;
   const Scale* scales = static_cast<const Scale*>(w.scales) + block * groups * kSub * kBlockN;
   const Scale* mins = kMins ? static_cast<const Scale*>(w.mins) + block * groups * kBlockN : nullptr;
+  // K-quants: the group's sc times its super-block's d (mn times dmin, negated), as the loader multiplies them.
+  constexpr bool kSuper = sizeof(Scale) == 1;
+  const uint16_t* super_scales = kSuper ? w.super_scales + block * (groups / kSuperGroups) * kBlockN : nullptr;
+  const uint16_t* super_mins = kSuper && kMins ? w.super_mins + block * (groups / kSuperGroups) * kBlockN : nullptr;
+  auto scale = [&](int64_t at, int64_t g) {
+    const __m512 v = load_scales(scales + at * kBlockN);
+    return kSuper ? _mm512_mul_ps(load_scales(super_scales + g / kSuperGroups * kBlockN), v) : v;
+  };
+  auto offset = [&](int64_t g) {
+    const __m512 v = load_scales(mins + g * kBlockN);
+    if (!kSuper) return v;
+    const __m512 product = _mm512_mul_ps(load_scales(super_mins + g / kSuperGroups * kBlockN), v);
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));  // -product
+  };
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -159,8 +182,8 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
     __m512i weights[kGroup / 2];
     unpack<Bits>(group, weights);
     if constexpr (kSub == 1) {
-      const __m512 a = load_scales(scales + g * kBlockN);
-      const __m512 m = kMins ? load_scales(mins + g * kBlockN) : _mm512_setzero_ps();
+      const __m512 a = scale(g, g);
+      const __m512 m = kMins ? offset(g) : _mm512_setzero_ps();
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (r0 + r) * per_row + g;
         const __m512i dot = group_dot(weights, x.q + (r0 + r) * x.stride + g * kGroup);
@@ -168,7 +191,7 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
         if constexpr (kMins) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[at]), acc[r]);
       }
     } else {
-      const __m512 a0 = load_scales(scales + 2 * g * kBlockN), a1 = load_scales(scales + (2 * g + 1) * kBlockN);
+      const __m512 a0 = scale(2 * g, g), a1 = scale(2 * g + 1, g);
       for (int r = 0; r < MR; ++r) {
         const int16_t* row = x.q + (r0 + r) * x.stride + g * kGroup;
         const __m512 d = _mm512_set1_ps(x.scale[(r0 + r) * per_row + g]);
@@ -210,10 +233,22 @@ void quant_part(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, floa
   });
 }
 
+template <int Bits, int Group>
+void by_scales(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
+  using Sub = std::conditional_t<Bits == 8, int8_t, uint8_t>;  // a K-quant's sc: Q6_K's signed, Q4_K/Q5_K's 6-bit
+  if (w.scale_bytes == 2)
+    quant_part<Bits, uint16_t, Group>(w, x, rows, out, out_stride, accumulate);
+  else if (w.scale_bytes == 4)
+    quant_part<Bits, float, Group>(w, x, rows, out, out_stride, accumulate);
+  else
+    quant_part<Bits, Sub, Group>(w, x, rows, out, out_stride, accumulate);
+}
+
 // The formats with a kernel (bits, scale bytes, group); lmq_step refuses a model with any other.
 bool known_format(const QuantMatrix& w) {
   for (const QuantMatrix* part = &w; part; part = part->next) {
-    const bool scales = part->scale_bytes == 2 || part->scale_bytes == 4;
+    const bool super = part->super_scales && (part->bits == 8 || part->super_mins) && part->k % 256 == 0;
+    const bool scales = part->scale_bytes == 2 || part->scale_bytes == 4 || (part->scale_bytes == 1 && super);
     const bool ok = (part->bits == 4 || part->bits == 5) ? part->group == 32 && part->mins : part->bits == 8 && (part->group == 32 || part->group == 16);
     if (!scales || !ok || part->n % kBlockN || part->k != w.k) return false;
   }
@@ -235,12 +270,11 @@ void quant_linear(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, fl
   for (const QuantMatrix* part = &w; part; column += part->n, part = part->next) {
     const QuantMatrix& p = *part;
     float* o = out + column;
-    const bool half = p.scale_bytes == 2;
     switch (p.bits * 100 + p.group) {
-      case 432: half ? quant_part<4, uint16_t, 32>(p, x, rows, o, stride, accumulate) : quant_part<4, float, 32>(p, x, rows, o, stride, accumulate); break;
-      case 532: half ? quant_part<5, uint16_t, 32>(p, x, rows, o, stride, accumulate) : quant_part<5, float, 32>(p, x, rows, o, stride, accumulate); break;
-      case 832: half ? quant_part<8, uint16_t, 32>(p, x, rows, o, stride, accumulate) : quant_part<8, float, 32>(p, x, rows, o, stride, accumulate); break;
-      case 816: half ? quant_part<8, uint16_t, 16>(p, x, rows, o, stride, accumulate) : quant_part<8, float, 16>(p, x, rows, o, stride, accumulate); break;
+      case 432: by_scales<4, 32>(p, x, rows, o, stride, accumulate); break;
+      case 532: by_scales<5, 32>(p, x, rows, o, stride, accumulate); break;
+      case 832: by_scales<8, 32>(p, x, rows, o, stride, accumulate); break;
+      case 816: by_scales<8, 16>(p, x, rows, o, stride, accumulate); break;
       default: break;  // known_format refused it before the step
     }
   }

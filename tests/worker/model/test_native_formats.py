@@ -11,6 +11,7 @@ sum_j |w_ij| d_j / 2, plus float32 rounding of the sums.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import pytest
@@ -34,9 +35,9 @@ EXPECTED_FORMATS = {
     QType.Q5_0: "int5/fp16/32",
     QType.Q5_1: "int5/fp16/32",
     QType.Q8_0: "int8/fp16/32",
-    QType.Q4_K: "int4/f32/32",  # d * sc has more bits than an fp16
-    QType.Q5_K: "int5/f32/32",
-    QType.Q6_K: "int8/f32/16",
+    QType.Q4_K: "int4/k8/32",  # its own 8-bit sc per 32 and fp16 d per 256
+    QType.Q5_K: "int5/k8/32",
+    QType.Q6_K: "int8/k8/16",
 }
 
 
@@ -122,4 +123,16 @@ def test_parts_of_one_layout_pack_as_one() -> None:
     k = 256
     q4_0, q4_1, q4_k = (gguf_blocks(raw_tensor(t, 16, k), t, 16, k) for t in (QType.Q4_0, QType.Q4_1, QType.Q4_K))
     packed = pack_parts([q4_0, q4_1, q4_k])
-    assert [(p.n, p.qtypes, p.scale_bytes) for p in packed] == [(32, ("Q4_0", "Q4_1"), 2), (16, ("Q4_K",), 4)]
+    assert [(p.n, p.qtypes, p.scale_bytes) for p in packed] == [(32, ("Q4_0", "Q4_1"), 2), (16, ("Q4_K",), 1)]
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q5_K, QType.Q6_K], ids=lambda t: t.name)
+def test_k_quants_own_scales_multiply_out_to_the_loaders_float32_ones(qtype: QType) -> None:
+    """The kernel reads a K-quant's 8-bit sc and fp16 d (its file's bytes); the products it forms are
+    the float32 scale and min the loader computes: bit-identical to running on those."""
+    n, k = 32, 768
+    blocks = gguf_blocks(raw_tensor(qtype, n, k, seed=5), qtype, n, k)
+    flat = dataclasses.replace(blocks, super=None)
+    assert kernel_format(flat).endswith("f32/" + str(blocks.group))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(native_linear([blocks], x), native_linear([flat], x))

@@ -42,8 +42,8 @@ HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
             "ffn_down": "mlp.down_proj"}  # fmt: skip
 KERNEL = {QType.Q4_0: "int4/fp16/32", QType.Q4_1: "int4/fp16/32", QType.Q5_0: "int5/fp16/32",
-          QType.Q5_1: "int5/fp16/32", QType.Q8_0: "int8/fp16/32", QType.Q4_K: "int4/f32/32",
-          QType.Q5_K: "int5/f32/32", QType.Q6_K: "int8/f32/16"}  # fmt: skip
+          QType.Q5_1: "int5/fp16/32", QType.Q8_0: "int8/fp16/32", QType.Q4_K: "int4/k8/32",
+          QType.Q5_K: "int5/k8/32", QType.Q6_K: "int8/k8/16"}  # fmt: skip
 
 
 def _shape(part: str) -> tuple[int, int]:
