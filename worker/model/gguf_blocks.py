@@ -6,7 +6,7 @@ times a 6- or 8-bit integer scale), so nothing is lost beyond the file's own qua
   Q4_0  q 0..15, a = d, m = -8d            Q4_1  q 0..15, a = d, m
   Q5_0  q 0..31, a = d, m = -16d           Q5_1  q 0..31, a = d, m
   Q8_0  q -128..127 (signed), a = d         Q4_K  q 0..15, a = d sc, m = -dmin mn (groups of 32)
-  Q5_K  q 0..31, a = d sc, m = -dmin mn     Q6_K  q - 32 in -32..31 (signed), a = d sc, groups of 16
+  Q5_K  q 0..31, a = d sc, m = -dmin mn     Q6_K  q - 32 in -32..31 (signed, 6 bits), a = d sc, groups of 16
 The layouts follow ggml's (ggml-quants.c) and gguf.quants' dequantizers, which the tests compare with.
 """
 
@@ -103,7 +103,7 @@ FORMATS = {
     QType.Q8_0: (34, 32, 32, 8, _q8_0),
     QType.Q4_K: (144, 256, 32, 4, _q4_k),
     QType.Q5_K: (176, 256, 32, 5, _q5_k),
-    QType.Q6_K: (210, 256, 16, 8, _q6_k),
+    QType.Q6_K: (210, 256, 16, 6, _q6_k),
 }
 
 

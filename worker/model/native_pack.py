@@ -84,6 +84,8 @@ def pack(blocks: QuantBlocks) -> PackedMatrix:
     q = blocks.q.to(torch.int32)
     if blocks.bits == 8:
         weights = _pairs(q).to(torch.int8).contiguous()
+    elif blocks.bits == 6:  # signed -32..31, stored as q + 32
+        weights = torch.cat((_nibbles((q + 32) & 0x0F), _crumbs((q + 32) >> 4)), dim=2).contiguous()
     else:
         weights = _nibbles(q & 0x0F)
         if blocks.bits == 5:
@@ -91,7 +93,7 @@ def pack(blocks: QuantBlocks) -> PackedMatrix:
     qtypes = (blocks.qtype,)
     if blocks.super is not None:
         levels = blocks.super
-        sub = torch.int8 if blocks.bits == 8 else torch.uint8
+        sub = torch.int8 if blocks.bits >= 6 else torch.uint8
         mins = None if levels.mn is None else _by_block(levels.mn.to(torch.uint8))
         dmin = None if levels.dmin is None else _by_block(levels.dmin.half())
         scales, d = _by_block(levels.sc.to(sub)), _by_block(levels.d.half())
@@ -126,6 +128,13 @@ def _high_bits(bit: torch.Tensor) -> torch.Tensor:
     pairs = _pairs(bit)  # [.., p, row, e]
     words = sum(pairs[:, :, p] << p for p in range(GROUP // 2))
     return _as_int16(words).unsqueeze(2)
+
+
+def _crumbs(high: torch.Tensor) -> torch.Tensor:
+    """[N, K] of 0..3 -> [N/16, K/32, 2, 16, 2] int16: bits 2c, 2c + 1 of vector h's word (row, e) are pair 8h + c's value e's."""
+    pairs = _pairs(high)  # [.., p, row, e]
+    halves = [sum(pairs[:, :, 8 * h + c] << (2 * c) for c in range(8)) for h in range(2)]
+    return _as_int16(torch.stack(halves, dim=2))
 
 
 def _as_int16(words: torch.Tensor) -> torch.Tensor:

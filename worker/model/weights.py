@@ -53,7 +53,7 @@ class QuantBlocks:
     """Integer weights with a scale and a min per group along the input dim: value = scale * q + min.
 
     The form every GGUF type the native step reads reduces to, exactly (worker/model/gguf_blocks.py);
-    bits says how the native kernel stores q: 4 or 5 (unsigned, with min), 8 (signed, min None: 0).
+    bits says how the native kernel stores q: 4 or 5 (unsigned, with min), 6 or 8 (signed, min None: 0).
     """
 
     qtype: str  # the file's type ("Q5_0", ...), or "int4" for lmq's own quantization of float weights

@@ -8,7 +8,8 @@
 // weights q with a scale a and a min m per group of 32 (Q6_K: 16) input values: value = a * q + m.
 //   bits 4: q in 0..15 with m     Q4_0 (m = -8 a), Q4_1, Q4_K (a = d * sc, m = -dmin * mn)
 //   bits 5: q in 0..31 with m     Q5_0 (m = -16 a), Q5_1, Q5_K
-//   bits 8: signed q, m = 0       Q8_0 (q in -128..127), Q6_K (q - 32 in -32..31, groups of 16, a = d * sc)
+//   bits 6: signed q, m = 0       Q6_K (q - 32 in -32..31, groups of 16, a = d * sc)
+//   bits 8: signed q, m = 0       Q8_0 (q in -128..127)
 // Scales and mins are fp16 where every value of the matrix is one exactly (the files' own d and m);
 // the K-quants keep their own two levels, an 8-bit sc (and mn) per group and an fp16 d (and dmin) per
 // 256 values, multiplied out here in float32 (exact: up to 18 significant bits, which fp16 would round);
@@ -23,6 +24,8 @@
 // pair of k values, one vpdpwssd operand each once unpacked to int16:
 //   bits 4: nibbles [4, 16, 2] int16: vector j's words hold 4 nibbles, pairs 4j..4j+3;
 //   bits 5: the same nibbles, then [16, 2] int16 high bits: bit p of word (row, e) is bit 4 of pair p's value e;
+//   bits 6: nibbles of q + 32, then [2, 16, 2] int16: bits 2c, 2c + 1 of vector h's word (row, e) are bits 4, 5 of
+//           pair 8h + c's value e;
 //   bits 8: [16, 16, 2] int8: pair p of every row;
 //   scales, mins [N/16, K/group, 16] (fp16 or float32): the group's a and m for the block's 16 rows.
 // The output head is int8 per row ([N/16, K/2, 16, 2]), widened to int16 as it is read: y = s d sum qx w.
@@ -38,14 +41,14 @@
 
 struct QuantMatrix {
   const uint8_t* weights;
-  const void* scales;  // fp16 (scale_bytes 2), float32 (4), or a K-quant's 8-bit sc (1: uint8, int8 for bits 8)
-  const void* mins;    // as scales (uint8 mn for K-quants); null for bits 8
+  const void* scales;  // fp16 (scale_bytes 2), float32 (4), or a K-quant's 8-bit sc (1: uint8, int8 for bits 6)
+  const void* mins;    // as scales (uint8 mn for K-quants); null for bits 6 and 8
   const uint16_t* super_scales;  // K-quants (scale_bytes 1): fp16 d [N/16, K/256, 16], a = d * sc
   const uint16_t* super_mins;    // K-quants with mins: fp16 dmin, m = -(dmin * mn)
   int64_t n, k;
-  int32_t bits;         // 4, 5 or 8
+  int32_t bits;         // 4, 5 (unsigned, with mins), 6 or 8 (signed, no mins)
   int32_t scale_bytes;  // 1, 2 or 4
-  int32_t group;        // 32, or 16 (bits 8 only)
+  int32_t group;        // 32, or 16 (bits 6 and 8 only)
   int32_t reserved;
   const QuantMatrix* next;  // further output rows in another format (a fused q/k/v whose parts differ), or null
 };
@@ -59,7 +62,7 @@ constexpr int kInt4GroupBytes = kGroup * kBlockN / 2;  // a group of a block: 4 
 constexpr int64_t kPrefetchBytes = 4096;
 
 template <int Bits>
-constexpr int kGroupBytes = Bits == 4 ? kInt4GroupBytes : Bits == 5 ? kInt4GroupBytes + 64 : kGroup * kBlockN;
+constexpr int kGroupBytes = Bits == 4 ? kInt4GroupBytes : Bits == 5 ? kInt4GroupBytes + 64 : Bits == 6 ? kInt4GroupBytes + 128 : kGroup * kBlockN;
 
 // The team's share of [0, total): static, contiguous.
 inline void share(int64_t total, int64_t& begin, int64_t& end) {
@@ -136,6 +139,19 @@ inline void unpack<5>(const uint8_t* packed, __m512i* weights) {
 }
 
 template <>
+inline void unpack<6>(const uint8_t* packed, __m512i* weights) {
+  unpack<4>(packed, weights);
+  const __m512i bits45 = _mm512_set1_epi16(0x30), bias = _mm512_set1_epi16(32);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i high = _mm512_loadu_si512(packed + kInt4GroupBytes + 64 * h);
+    for (int c = 0; c < 8; ++c) {
+      const __m512i moved = c <= 2 ? _mm512_slli_epi16(high, 4 - 2 * c) : _mm512_srli_epi16(high, 2 * c - 4);
+      weights[8 * h + c] = _mm512_sub_epi16(_mm512_ternarylogic_epi32(weights[8 * h + c], moved, bits45, 0xF8), bias);
+    }
+  }
+}
+
+template <>
 inline void unpack<8>(const uint8_t* packed, __m512i* weights) {
   for (int p = 0; p < kGroup / 2; ++p) weights[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * p)));
 }
@@ -153,7 +169,7 @@ constexpr int64_t kSuperGroups = 256 / kGroup;  // groups of x per K-quant super
 // Scale: the type of a and m (uint16_t: fp16); Group: the weights' group (32, or 16 with no mins).
 template <int Bits, typename Scale, int Group, int MR>
 void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
-  constexpr bool kMins = Bits != 8;
+  constexpr bool kMins = Bits < 6;
   constexpr int kSub = kGroup / Group, kBytes = kGroupBytes<Bits>;
   static_assert(kSub == 1 || !kMins, "groups of 16 only without mins: x's sums are per 32");
   const int64_t groups = w.k / kGroup, per_row = x.stride / kGroup;
@@ -235,7 +251,7 @@ void quant_part(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, floa
 
 template <int Bits, int Group>
 void by_scales(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
-  using Sub = std::conditional_t<Bits == 8, int8_t, uint8_t>;  // a K-quant's sc: Q6_K's signed, Q4_K/Q5_K's 6-bit
+  using Sub = std::conditional_t<(Bits >= 6), int8_t, uint8_t>;  // a K-quant's sc: Q6_K's signed, Q4_K/Q5_K's 6-bit
   if (w.scale_bytes == 2)
     quant_part<Bits, uint16_t, Group>(w, x, rows, out, out_stride, accumulate);
   else if (w.scale_bytes == 4)
@@ -247,9 +263,10 @@ void by_scales(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float
 // The formats with a kernel (bits, scale bytes, group); lmq_step refuses a model with any other.
 bool known_format(const QuantMatrix& w) {
   for (const QuantMatrix* part = &w; part; part = part->next) {
-    const bool super = part->super_scales && (part->bits == 8 || part->super_mins) && part->k % 256 == 0;
+    const bool super = part->super_scales && (part->bits >= 6 || part->super_mins) && part->k % 256 == 0;
     const bool scales = part->scale_bytes == 2 || part->scale_bytes == 4 || (part->scale_bytes == 1 && super);
-    const bool ok = (part->bits == 4 || part->bits == 5) ? part->group == 32 && part->mins : part->bits == 8 && (part->group == 32 || part->group == 16);
+    const bool ok = (part->bits == 4 || part->bits == 5) ? part->group == 32 && part->mins
+                                                         : (part->bits == 6 || part->bits == 8) && (part->group == 32 || part->group == 16);
     if (!scales || !ok || part->n % kBlockN || part->k != w.k) return false;
   }
   return true;
@@ -275,6 +292,7 @@ void quant_linear(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, fl
       case 532: by_scales<5, 32>(p, x, rows, o, stride, accumulate); break;
       case 832: by_scales<8, 32>(p, x, rows, o, stride, accumulate); break;
       case 816: by_scales<8, 16>(p, x, rows, o, stride, accumulate); break;
+      case 616: by_scales<6, 16>(p, x, rows, o, stride, accumulate); break;
       default: break;  // known_format refused it before the step
     }
   }

@@ -37,7 +37,7 @@ EXPECTED_FORMATS = {
     QType.Q8_0: "int8/fp16/32",
     QType.Q4_K: "int4/k8/32",  # its own 8-bit sc per 32 and fp16 d per 256
     QType.Q5_K: "int5/k8/32",
-    QType.Q6_K: "int8/k8/16",
+    QType.Q6_K: "int6/k8/16",
 }
 
 
