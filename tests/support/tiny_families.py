@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -492,13 +493,23 @@ def _tensors(arch: gguf.MODEL_ARCH, raw: dict[str, Any], directory: pathlib.Path
     return tensors
 
 
-def write_family_gguf(spec: TinyFamily, directory: pathlib.Path, path: pathlib.Path) -> pathlib.Path:
+def write_family_gguf(
+    spec: TinyFamily,
+    directory: pathlib.Path,
+    path: pathlib.Path,
+    blocks: Callable[[str, np.ndarray], tuple[np.ndarray, gguf.GGMLQuantizationType] | None] | None = None,
+) -> pathlib.Path:
+    """blocks(gguf name, float32 array): a tensor's (raw bytes, type) to store instead of the float32 array, or None."""
     raw = json.loads((directory / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[spec.gguf_arch])
     _hparams(writer, spec.gguf_arch, raw)
     _tokenizer(writer, directory)
     for name, array in _tensors(spec.gguf_arch, raw, directory).items():
-        writer.add_tensor(name, array)
+        stored = blocks(name, array) if blocks else None
+        if stored is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, stored[0], raw_dtype=stored[1])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

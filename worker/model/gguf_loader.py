@@ -20,10 +20,10 @@ from worker.model.checkpoint import CHATML_TEMPLATE, Checkpoint
 from worker.model.config import ModelConfig
 from worker.model.families import UnsupportedModel, family_for_gguf
 from worker.model.families.base import COMMON_GGUF_LAYER_NAMES, GGUF_GLOBAL_NAMES, Family
-from worker.model.gguf_int4 import gguf_int4_blocks
+from worker.model.gguf_blocks import gguf_blocks
 from worker.model.gguf_metadata import GGUFTensors, Metadata, dequantized, tensor_shape
 from worker.model.gguf_tokenizer import build_gguf_tokenizer
-from worker.model.weights import Int4Blocks, TensorSource, WeightMap
+from worker.model.weights import Int4Blocks, QuantBlocks, TensorSource, WeightMap
 
 GLOBAL_NAMES = GGUF_GLOBAL_NAMES
 LAYER_NAMES = COMMON_GGUF_LAYER_NAMES  # the llama table (tests invert it to write llama GGUFs)
@@ -57,13 +57,17 @@ def _source(
         values = values - shift if shift else values
         return values if row_order is None else values[row_order]
 
-    def int4() -> Int4Blocks | None:
+    def blocks() -> QuantBlocks | None:
         if len(shape) != 2:
             return None
-        blocks = gguf_int4_blocks(raw, qtype, shape[0], shape[1])
-        return blocks if blocks is None or row_order is None else blocks.rows(row_order)
+        found = gguf_blocks(raw, qtype, shape[0], shape[1])
+        return found if found is None or row_order is None else found.rows(row_order)
 
-    return TensorSource(shape=shape, load=load, int4=int4)
+    def int4() -> Int4Blocks | None:
+        found = blocks()
+        return None if found is None else found.int4()
+
+    return TensorSource(shape=shape, load=load, int4=int4, blocks=blocks, qtype=qtype.name)
 
 
 def _check_types(reader: GGUFReader, path: pathlib.Path) -> None:

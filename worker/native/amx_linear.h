@@ -58,10 +58,10 @@ void configure_tiles(int64_t rows) {
 // One group of a block into acc (x rows [r0, r0 + MR)). The tile intrinsics paste the tile *number* into
 // the instruction's text: they take literals, not constants.
 template <int MR>
-inline void amx_group(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int64_t r0, int64_t g, uint16_t (*b_tile)[32], float (*c_tile)[16], __m512* acc) {
+inline void amx_group(const QuantMatrix& w, int64_t block, const Bf16Rows& x, int64_t r0, int64_t g, uint16_t (*b_tile)[32], float (*c_tile)[16], __m512* acc) {
   const __m512i low4 = _mm512_set1_epi16(0x0F), bf16_128 = _mm512_set1_epi16(0x4300);
   const int64_t groups = w.k / kGroup, per_row = x.stride / kGroup, at = block * groups + g;
-  const uint8_t* packed = w.nibbles + at * kInt4GroupBytes;
+  const uint8_t* packed = w.weights + at * kInt4GroupBytes;
   prefetch_group(packed, kInt4GroupBytes);
   for (int j = 0; j < 4; ++j) {
     const __m512i v = _mm512_loadu_si512(packed + 64 * j);
@@ -73,8 +73,8 @@ inline void amx_group(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int
   _tile_zero(0);
   _tile_dpbf16ps(0, 1, 2);
   _tile_stored(0, c_tile, 64);
-  const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at * kBlockN)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + at * kBlockN)));
+  const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.scales) + at * kBlockN)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.mins) + at * kBlockN)));
   const __m512 offset_m = _mm512_fnmadd_ps(a, _mm512_set1_ps(128.f), m);
   for (int r = 0; r < MR; ++r) {
     acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c_tile[r]), a, acc[r]);
@@ -86,7 +86,7 @@ inline void amx_group(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int
 // (Groups in pairs on two sets of tiles, so that one's product would overlap the other's unpacking,
 // measured no faster.)
 template <int MR>
-void amx_int4_block(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
+void amx_int4_block(const QuantMatrix& w, int64_t block, const Bf16Rows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
   alignas(64) uint16_t b_tile[kGroup / 2][32];
   alignas(64) float c_tile[kTileRows][16];
   __m512 acc[MR];
@@ -98,8 +98,11 @@ void amx_int4_block(const Int4Matrix& w, int64_t block, const Bf16Rows& x, int64
   }
 }
 
+// Whether tiles can run w: one part, int4 with fp16 scales and mins (the other formats run on VNNI only).
+bool amx_format(const QuantMatrix& w) { return !w.next && w.bits == 4 && w.scale_bytes == 2 && w.group == kGroup; }
+
 // out [rows, w.n] (= or +=) x @ w^T, the team splitting the column blocks.
-void amx_int4_linear(const Int4Matrix& w, const Bf16Rows& x, int64_t rows, float* out, bool accumulate) {
+void amx_int4_linear(const QuantMatrix& w, const Bf16Rows& x, int64_t rows, float* out, bool accumulate) {
   over_blocks<kTileRows>(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) { amx_int4_block<tile.value>(w, b, x, r0, out, w.n, accumulate); });
 }
 

@@ -12,22 +12,13 @@
 // dequantizes weights to bfloat16 before multiplying. Here a step is one loop over the layers, the
 // activations stay in float32 in L1/L2, and the linears are int4 x int16 dot products on VNNI.
 //
-// Linears (int4 weights in groups of 32, value = a * q + m with q in 0..15, GGUF Q4_1's form): the
-// input row is quantized to int16 with one scale d per group, so per group
-//   sum_j (a q_j + m) x_j  ~  a d sum_j q_j qx_j  +  m d sum_j qx_j,
-// both inner sums exact in int32. The second term uses the quantized x too: with q's mean near 7.5
-// the two terms nearly cancel, and only the same x in both keeps x's rounding out of their common part.
+// Linears: quant_linear.h (int4, int5 and int8 weights with a scale and min per group, the GGUF block
+// types as their files hold them). The input row is quantized to int16 with one scale per group of 32.
 // Why int16 and not int8 (llama.cpp's Q8_1): int8 activations, even with a scale per 16 values, tripled
 // the KL divergence to float32 that the int4 weights alone cause (bench/quality.py: 0.0028 against
 // 0.00104 for int16, the torch path's 0.00106) and flipped near-ties such as the first word of the
 // answer to "What is the capital of France?". vpdpwssd does half vpdpbusd's products per instruction,
 // so int16 costs ~2x int8 where the step is bound by them (16 rows: 17.7 against 10.9 ms).
-// Weights are laid out for many rows at once: per block of 16 output rows and group, 16 vectors each
-// holding a pair of k values for every row, so a row's group is 16 vpdpwssd against its own pairs
-// broadcast, the weights unpacked once for up to 8 rows. Packed once in Python:
-//   nibbles [N/16, K/32, 4, 16, 2] int16: vector j's words hold 4 nibbles, pairs 4j..4j+3;
-//   scales, mins [N/16, K/32, 16] fp16 (a, m).
-// The output head is int8 per row ([N/16, K/2, 16, 2]), widened to int16 as it is read: y = s d sum qx w.
 // On a CPU with AMX, steps of Model::amx_from_rows rows or more run the linears (and, with as many logit
 // rows, the head) on bfloat16 tiles instead: amx_linear.h.
 //
@@ -49,17 +40,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_linear.h"
+
 extern "C" {
 
-struct Int4Matrix {
-  const uint8_t* nibbles;
-  const uint16_t* scales;  // fp16
-  const uint16_t* mins;    // fp16
-  int64_t n, k;
-};
-
 struct LayerWeights {
-  Int4Matrix qkv, o, gate_up, down;
+  QuantMatrix qkv, o, gate_up, down;
   const float* input_norm;
   const float* post_norm;           // before the MLP (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)
   const float* qkv_bias;            // null, or [(heads + 2 kv_heads) * head_dim] (Qwen2)
@@ -115,11 +101,6 @@ int lmq_amx_enable();
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kBlockN = 16;
-constexpr int kMaxRows = 8;  // x rows per pass over a block's weights: 16 weight vectors + 8 accumulators in registers
-constexpr int kInt4GroupBytes = kGroup * kBlockN / 2;  // a group of a block: 4 vectors
-constexpr int64_t kPrefetchBytes = 4096;
 constexpr int kPhases = 10;  // embed, norm, qkv, rope + K/V write, attention, o, gate_up, SiLU, down, head
 constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
@@ -164,140 +145,6 @@ inline __m512 reduce16(const float* slots /* [16][16] */) {
   for (int i = 0; i < 2; ++i)
     f[i] = _mm512_add_ps(_mm512_shuffle_ps(e[i], e[i + 2], 0x44), _mm512_shuffle_ps(e[i], e[i + 2], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
-}
-
-// The team's share of [0, total): static, contiguous.
-inline void share(int64_t total, int64_t& begin, int64_t& end) {
-  const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-  const int64_t each = total / team, extra = total % team;
-  begin = me * each + std::min(me, extra);
-  end = begin + each + (me < extra ? 1 : 0);
-}
-
-// ---- activations quantized to int16 ----
-
-struct QuantizedRows {
-  int16_t* q;      // [rows, stride]
-  float* scale;    // [rows, stride / 32]: d, one per group
-  float* sum;      // [rows, stride / 32]: d * the group's sum of qx
-  int64_t stride;  // the widest K of the step
-};
-
-// One row of k floats -> int16 with one scale per group of 32.
-void quantize_row(const float* x, int64_t k, const QuantizedRows& out, int64_t r) {
-  int16_t* q = out.q + r * out.stride;
-  float* scale = out.scale + r * (out.stride / kGroup);
-  float* sums = out.sum + r * (out.stride / kGroup);
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m512 a = _mm512_loadu_ps(x + g * kGroup), b = _mm512_loadu_ps(x + g * kGroup + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 factor = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, factor)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, factor));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), _mm512_cvtsepi32_epi16(qa));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup + 16), _mm512_cvtsepi32_epi16(qb));
-    scale[g] = amax / 32767.f;
-    sums[g] = scale[g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-  }
-}
-
-// A row's group as 16 pairs of values, each pair one dword broadcast to 16 lanes, dotted with the 16
-// weight vectors of a block (pair p of every output row) in exact int32 arithmetic.
-inline __m512i group_dot(const __m512i* weights, const int16_t* group) {
-  __m512i dot = _mm512_setzero_si512();
-  for (int p = 0; p < kGroup / 2; ++p) dot = _mm512_dpwssd_epi32(dot, weights[p], _mm512_broadcastd_epi32(_mm_loadu_si32(group + 2 * p)));
-  return dot;
-}
-
-inline void prefetch_group(const uint8_t* bytes, int size) {
-  for (int line = 0; line < size; line += 64) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes + line), _MM_HINT_T0);
-}
-
-// ---- int4 linear ----
-
-// Output columns [16 * block, +16) for x rows [r0, r0 + MR); accumulate: out += y, else out = y.
-template <int MR>
-void int4_block(const Int4Matrix& w, int64_t block, const QuantizedRows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
-  const __m512i low4 = _mm512_set1_epi16(0x0F);
-  const int64_t groups = w.k / kGroup, per_row = x.stride / kGroup;
-  const uint8_t* nibbles = w.nibbles + block * groups * kInt4GroupBytes;
-  const uint16_t* scales = w.scales + block * groups * kBlockN;
-  const uint16_t* mins = w.mins + block * groups * kBlockN;
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* packed = nibbles + g * kInt4GroupBytes;
-    prefetch_group(packed, kInt4GroupBytes);
-    __m512i weights[kGroup / 2];
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(packed + 64 * j);
-      weights[4 * j] = _mm512_and_si512(v, low4);
-      weights[4 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      weights[4 * j + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low4);
-      weights[4 * j + 3] = _mm512_srli_epi16(v, 12);
-    }
-    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kBlockN)));
-    for (int r = 0; r < MR; ++r) {
-      const int64_t at = (r0 + r) * per_row + g;
-      const __m512i dot = group_dot(weights, x.q + (r0 + r) * x.stride + g * kGroup);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a, _mm512_set1_ps(x.scale[at])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[at]), acc[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    float* o = out + (r0 + r) * out_stride + block * kBlockN;
-    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), acc[r]) : acc[r]);
-  }
-}
-
-// ---- int8 head ----
-
-template <int MR>
-void int8_block(const Model& m, int64_t block, const QuantizedRows& x, int64_t r0, float* out) {
-  const int64_t groups = m.hidden / kGroup, per_row = x.stride / kGroup;
-  const int8_t* packed = m.head + block * kBlockN * m.hidden;
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* bytes = packed + g * kGroup * kBlockN;
-    prefetch_group(reinterpret_cast<const uint8_t*>(bytes), kGroup * kBlockN);
-    __m512i weights[kGroup / 2];
-    for (int p = 0; p < kGroup / 2; ++p) weights[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32 * p)));
-    for (int r = 0; r < MR; ++r) {
-      const __m512i dot = group_dot(weights, x.q + (r0 + r) * x.stride + g * kGroup);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x.scale[(r0 + r) * per_row + g]), acc[r]);
-    }
-  }
-  const __m512 scale = _mm512_loadu_ps(m.head_scale + block * kBlockN);
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + (r0 + r) * m.vocab + block * kBlockN, _mm512_mul_ps(acc[r], scale));
-}
-
-// f(std::integral_constant<int, rows>) for 1 <= rows <= Most: a kernel's row count as a template argument.
-template <int Most, typename F>
-inline void with_rows(int64_t rows, F&& f) {
-  if constexpr (Most > 1) {
-    if (rows < Most) return with_rows<Most - 1>(rows, f);
-  }
-  f(std::integral_constant<int, Most>{});
-}
-
-// f(block, r0, tile rows) over the team's share of `blocks` column blocks, x's rows in tiles of at most
-// Most: a block's weights come from memory once, then from cache.
-template <int Most, typename F>
-void over_blocks(int64_t blocks, int64_t rows, F&& f) {
-  int64_t begin, end;
-  share(blocks, begin, end);
-  for (int64_t b = begin; b < end; ++b)
-    for (int64_t r0 = 0; r0 < rows; r0 += Most) with_rows<Most>(std::min<int64_t>(Most, rows - r0), [&](auto tile) { f(b, r0, tile); });
-}
-
-// out [rows, w.n] (= or +=) x @ w^T, the team splitting the column blocks.
-void int4_linear(const Int4Matrix& w, const QuantizedRows& x, int64_t rows, float* out, bool accumulate) {
-  over_blocks<kMaxRows>(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) { int4_block<tile.value>(w, b, x, r0, out, w.n, accumulate); });
-}
-
-void int8_head(const Model& m, const QuantizedRows& x, int64_t rows, float* out) {
-  over_blocks<kMaxRows>(m.vocab / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) { int8_block<tile.value>(m, b, x, r0, out); });
 }
 
 #include "amx_linear.h"
@@ -505,11 +352,11 @@ void encode_row(const float* x, int64_t k, Buffers& b, int64_t r) {
     quantize_row(x, k, b.quantized, r);
 }
 
-void linear(const Int4Matrix& w, const Buffers& b, int64_t rows, float* out, bool accumulate) {
+void linear(const QuantMatrix& w, const Buffers& b, int64_t rows, float* out, bool accumulate) {
   if (b.amx)
     amx_int4_linear(w, b.bf16_rows, rows, out, accumulate);
   else
-    int4_linear(w, b.quantized, rows, out, accumulate);
+    quant_linear(w, b.quantized, rows, out, accumulate);
 }
 
 // Each of the team's rows: normalise (when norm is given) and encode rows of x [rows, k].
@@ -541,7 +388,7 @@ struct PhaseClock {
 };
 
 // A linear's output added to the residual: in place, or (Gemma) normalised first through `out`.
-void residual_linear(const Model& m, const Int4Matrix& w, const float* out_norm, Buffers& b, int64_t rows) {
+void residual_linear(const Model& m, const QuantMatrix& w, const float* out_norm, Buffers& b, int64_t rows) {
   if (!out_norm) {
     linear(w, b, rows, b.hidden.data(), true);
 #pragma omp barrier
@@ -665,7 +512,7 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
   if (head_on_tiles)
     amx_head(m, b.bf16_rows, s.logit_count, s.logits);
   else
-    int8_head(m, b.quantized, s.logit_count, s.logits);
+    int8_head(m.head, m.head_scale, m.hidden, m.vocab, b.quantized, s.logit_count, s.logits);
 #pragma omp barrier
   clock.mark(9);
   if (b.amx) _tile_release();
@@ -681,6 +528,13 @@ int lmq_step(const Model* model, const Step* step, int threads) {
   if (m.rotary_dim % 2 || m.rotary_dim > m.head_dim || m.rotaries < 1 || m.activation < 0 || m.activation > 1) return 1;
   for (int64_t i = 0; i < m.layers; ++i)
     if (m.layer[i].rotary < 0 || m.layer[i].rotary >= m.rotaries || m.layer[i].window < 0 || !m.layer[i].q_norm != !m.layer[i].k_norm) return 1;
+  for (int64_t i = 0; i < m.layers; ++i) {
+    const LayerWeights& w = m.layer[i];
+    for (const QuantMatrix* matrix : {&w.qkv, &w.o, &w.gate_up, &w.down}) {
+      if (!known_format(*matrix)) return 2;
+      if (m.amx_from_rows && !amx_format(*matrix)) return 3;  // tiles run int4 with fp16 scales only
+    }
+  }
   const double started = omp_get_wtime();
   Buffers buffers(m, s.rows);
   prepare_rows(m, s, buffers);

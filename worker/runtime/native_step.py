@@ -1,19 +1,19 @@
 """Engine steps of a dense decoder in one native call (worker/native/decoder_step.cpp), where the CPU allows.
 
 A torch step of a small model is hundreds of small operators; this runs the whole step (every layer,
-the head) as one function over float32 activations, with int4 x int16 VNNI dot products for the linears
-(AMX bfloat16 tiles for steps of AMX_FROM_ROWS rows or more where the CPU has them) and attention that
-reads K/V straight from the paged pool. Every new token is a row: a decode is one
-row, a prompt chunk one row per token, each attending to its sequence's keys up to its own position.
-It owns a packed copy of the weights (the int4 blocks as the checkpoint stores them, the head in int8
-per row) and serves the steps it can: fewer tokens than `max_rows` (where the loader keeps packed
-bfloat16 copies for long prompts, oneDNN's GEMM is faster from there on). The torch path writes the
-same pool, so a sequence moves between the two freely.
+the head) as one function over float32 activations, with integer x int16 VNNI dot products for the
+linears (AMX bfloat16 tiles for int4 weights in steps of AMX_FROM_ROWS rows or more, where the CPU has
+them) and attention that reads K/V straight from the paged pool. Every new token is a row: a decode is
+one row, a prompt chunk one row per token, each attending to its sequence's keys up to its own position.
+It owns a packed copy of the weights (each linear in its file's own GGUF block type, float weights as
+lmq's int4: worker/model/native_pack.py; the head in int8 per row) and serves the steps it can: fewer
+tokens than `max_rows` (where the loader keeps packed bfloat16 copies for long prompts, oneDNN's GEMM
+is faster from there on). The torch path writes the same pool, so a sequence moves between the two freely.
 
 Every dense family runs on the one step: `describe` reads what sets a model apart from Llama off the
 torch model the loader built (its norms, their +1 already folded in for Gemma, q/k norms, windows,
 rotary tables, the attention's scale and soft cap, the MLP's activation, the embedding scale, the
-final soft cap) and the checkpoint (the int4 blocks, q/k/v biases), so the two paths cannot disagree
+final soft cap) and the checkpoint (the linears' blocks, q/k/v biases), so the two paths cannot disagree
 on a family's arithmetic. `unsupported(model, checkpoint)` says why a model cannot run here (None when
 it can); whether it does is worker/runtime/select.py's decision, and worker/runtime/cpu_native.py the
 backend that calls it.
@@ -21,6 +21,7 @@ backend that calls it.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 from dataclasses import dataclass
@@ -31,15 +32,23 @@ from worker.batch import PagedKV, StepBatch
 from worker.model.checkpoint import Checkpoint
 from worker.model.decoder import Block, DecoderModel, GatedMLP
 from worker.model.llama import DecoderLayer, LlamaModel
+from worker.model.native_pack import (
+    BLOCK_N,
+    QuantMatrix,
+    kernel_format,
+    kernel_refusal,
+    matrix,
+    native_blocks,
+    pack_parts,
+)
 from worker.model.norm import RMSNorm
 from worker.model.paged_attention import paged_attention
-from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear, quantize_int4
-from worker.model.weights import INT4_GROUP, Int4Blocks
+from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear
+from worker.model.weights import INT4_GROUP
 from worker.native import build
 
 log = logging.getLogger(__name__)
 
-BLOCK_N = 16  # output rows the kernel computes together
 # Steps of this many rows and more run their linears on AMX tiles where the CPU has them: a tile product
 # costs about the same for 1 row as for 16, VNNI's grow with the rows: the crossover measured in
 # docs/benchmarks.md ("The native step's linears, second pass").
@@ -49,13 +58,8 @@ PHASES = ("embedding, rope tables", "norms + quantizing x", "q/k/v", "rope + K/V
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # the .cpp's Model::activation
 
 
-class Int4Matrix(ctypes.Structure):
-    _fields_ = [("nibbles", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]  # fmt: skip
-
-
 class LayerWeights(ctypes.Structure):
-    _fields_ = [("qkv", Int4Matrix), ("o", Int4Matrix), ("gate_up", Int4Matrix), ("down", Int4Matrix)] + [
+    _fields_ = [("qkv", QuantMatrix), ("o", QuantMatrix), ("gate_up", QuantMatrix), ("down", QuantMatrix)] + [
         (name, ctypes.c_void_p)
         for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm", "attention_out_norm", "mlp_out_norm")
     ] + [("window", ctypes.c_int64), ("rotary", ctypes.c_int64)]  # fmt: skip
@@ -77,31 +81,6 @@ class StepStruct(ctypes.Structure):
                 ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p), ("layer_stride", ctypes.c_int64),
                 ("page_size", ctypes.c_int64), ("logit_rows", ctypes.c_void_p), ("logit_count", ctypes.c_int64),
                 ("logits", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p)]  # fmt: skip
-
-
-def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Int4Blocks -> (nibbles, scales, mins) as the .cpp reads them, blocks of 16 output rows, group by group.
-
-    nibbles [N/16, G, 4, 16, 2] int16: in group g, word (row n, e) of vector j holds 4 nibbles, the one at
-    bits 4s being the row's value 2p + e with p = 4j + s: shifted and masked, vector j gives the pairs
-    4j..4j+3 of all 16 rows, one vpdpwssd operand each.
-    scales and mins [N/16, G, 16] fp16 (value = scale * q + min).
-    """
-    q = blocks.q.to(torch.int32)
-    n, k = q.shape
-    pairs = q.reshape(n // BLOCK_N, BLOCK_N, k // INT4_GROUP, 4, 4, 2).permute(
-        0, 2, 3, 4, 1, 5
-    )  # [N/16, G, j, s, row, e]
-    words = sum(pairs[:, :, :, s] << (4 * s) for s in range(4))
-    nibbles = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16).contiguous()
-    mins = blocks.zero - 8 * blocks.scale
-    return nibbles, _by_block(blocks.scale.to(torch.float16)), _by_block(mins.to(torch.float16))
-
-
-def _by_block(per_row: torch.Tensor) -> torch.Tensor:
-    """[N, G] -> [N/16, G, 16]: a group's values for 16 output rows side by side."""
-    n = per_row.shape[0]
-    return per_row.view(n // BLOCK_N, BLOCK_N, -1).transpose(1, 2).contiguous()
 
 
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +209,12 @@ def unsupported(model: torch.nn.Module, checkpoint: Checkpoint) -> str | None:
     others = sorted(name for name in checkpoint.weights if name.endswith(".bias") and name not in qkv_biases)
     if others:
         return f"the checkpoint has biases the native step does not add ({others[0]})"
+    for index in range(config.num_layers):
+        qkv, o, gate_up, down = projection_names(checkpoint, index)
+        for name in [*qkv, o, *gate_up, down]:
+            refusal = kernel_refusal(name, checkpoint.weights[name + ".weight"])
+            if refusal:
+                return refusal
     missing = build.missing_requirements()
     if missing:
         return missing
@@ -276,9 +261,13 @@ class NativeSteps:
         # even one row gains from two (worker/step_threads.py's rule is for torch's many small operators).
         self.threads = threads
         self.final_softcap = form.final_softcap
-        self._keep: list[torch.Tensor] = []  # every tensor the structs point into
+        self._keep: list = []  # every tensor and struct the structs point into
+        self.formats: dict[str, str] = {}  # each linear's weights as the kernel reads them, e.g. "Q5_0 as int5/fp16/32"
         layers = [self._layer(checkpoint, form, index) for index in range(config.num_layers)]
         self._layers = (LayerWeights * len(layers))(*layers)
+        if amx_from_rows and not all(f.endswith(" as int4/fp16/32") for f in self.formats.values()):
+            log.info("AMX tiles off: they run int4 weights with fp16 scales only; every step on VNNI")
+            amx_from_rows = 0
         head_q, head_scale = head_int8(model.lm_head)
         self.head_rows = head_q.shape[0] * BLOCK_N
         inv_freq = torch.stack([rotary.inv_freq.float() for rotary in form.rotaries]).contiguous()
@@ -316,8 +305,10 @@ class NativeSteps:
         amx_from_rows = 0 if invariant or not amx_usable(library) else AMX_FROM_ROWS
         steps = cls(library, model, checkpoint, threads, None if invariant else max_rows, amx_from_rows)
         limit = f" of fewer than {max_rows} tokens" if max_rows and not invariant else ""
-        tiles = f", from {amx_from_rows} rows on AMX tiles" if amx_from_rows else ""
-        log.info("steps%s run natively (one call per step; linears int4 x int16 on VNNI%s)", limit, tiles)
+        tiles = f", from {steps.struct.amx_from_rows} rows on AMX tiles" if steps.struct.amx_from_rows else ""
+        kinds = collections.Counter(f.split(" as ")[0] for f in steps.formats.values())
+        weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
+        log.info("steps%s run natively (one call per step; linears %s x int16 on VNNI%s)", limit, weights, tiles)
         return steps
 
     def _pointer(self, tensor: torch.Tensor) -> int:
@@ -327,12 +318,11 @@ class NativeSteps:
     def _optional(self, norm: RMSNorm | None) -> int | None:
         return None if norm is None else self._pointer(norm.weight.float().contiguous())
 
-    def _matrix(self, checkpoint: Checkpoint, names: list[str]) -> Int4Matrix:
-        sources = [checkpoint.weights[name + ".weight"] for name in names]
-        blocks = Int4Blocks.cat([source.int4() or quantize_int4(source.load()) for source in sources])
-        nibbles, scales, mins = pack_int4(blocks)
-        n, k = blocks.q.shape
-        return Int4Matrix(self._pointer(nibbles), self._pointer(scales), self._pointer(mins), n, k)
+    def _matrix(self, checkpoint: Checkpoint, names: list[str]) -> QuantMatrix:
+        blocks = [native_blocks(name, checkpoint.weights[name + ".weight"]) for name in names]
+        for name, part in zip(names, blocks):
+            self.formats[name] = kernel_format(part)
+        return matrix(pack_parts(blocks), self._keep)
 
     def _bias(self, checkpoint: Checkpoint, names: list[str]) -> int | None:
         present = [name + ".bias" in checkpoint.weights for name in names]
@@ -385,7 +375,10 @@ class NativeSteps:
         )  # fmt: skip
         status = self.library.lmq_step(ctypes.byref(self.struct), ctypes.byref(step), self.threads)
         if status != 0:
-            raise RuntimeError(f"the native step refused the model's shapes (status {status})")
+            reason = {1: "shapes", 2: "weight formats", 3: "weight formats on AMX tiles"}.get(
+                status, f"status {status}"
+            )
+            raise RuntimeError(f"the native step refused the model's {reason}")
         logits = logits[:, : self.vocab]
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from tests.support.tiny_model import make_tiny_model
-from worker.model.gguf_int4 import gguf_int4_blocks
+from worker.model.gguf_blocks import gguf_int4_blocks
 from worker.model.gguf_loader import GLOBAL_NAMES, LAYER_NAMES
 from worker.model.loader import LoadedModel, load_model
 

@@ -1,0 +1,138 @@
+"""The native linears on every GGUF type they read (worker/native/quant_linear.h, worker/model/native_pack.py).
+
+Each type's blocks are written the way files hold them (gguf.quants.quantize where the package has a
+quantizer, random blocks with modest scales for the K-quants, which it only dequantizes), unpacked
+exactly (against gguf's own dequantizer), packed, and multiplied natively against a float32 matmul over
+the dequantized weights. The only error allowed is the activations' int16 rounding: x is quantized per
+group of 32 to d * qx with d = amax / 32767, so each x_j is off by at most d / 2 and output i by at most
+sum_j |w_ij| d_j / 2, plus float32 rounding of the sums.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize
+
+from tests.support.gguf_blocks import raw_tensor
+from worker.model.gguf_blocks import FORMATS, gguf_blocks
+from worker.model.native_pack import kernel_format, matrix, pack_parts
+from worker.model.weights import QuantBlocks
+from worker.native import build
+
+pytestmark = pytest.mark.skipif(
+    build.missing_requirements() is not None, reason=f"native: {build.missing_requirements()}"
+)
+
+EXPECTED_FORMATS = {
+    QType.Q4_0: "int4/fp16/32",
+    QType.Q4_1: "int4/fp16/32",
+    QType.Q5_0: "int5/fp16/32",
+    QType.Q5_1: "int5/fp16/32",
+    QType.Q8_0: "int8/fp16/32",
+    QType.Q4_K: "int4/k8/32",  # its own 8-bit sc per 32 and fp16 d per 256
+    QType.Q5_K: "int5/k8/32",
+    QType.Q6_K: "int6/k8/16",
+}
+
+
+def native_linear(parts: list[QuantBlocks], x: torch.Tensor, threads: int = 2) -> torch.Tensor:
+    library = build.load()
+    library.lmq_linear.restype = ctypes.c_int
+    keep: list = []
+    packed = pack_parts(parts)
+    struct = matrix(packed, keep)
+    n = sum(part.n for part in packed)
+    out = torch.full((x.shape[0], n), float("nan"))
+    x = x.contiguous()
+    status = library.lmq_linear(
+        ctypes.byref(struct),
+        ctypes.c_void_p(x.data_ptr()),
+        ctypes.c_int64(x.shape[0]),
+        ctypes.c_void_p(out.data_ptr()),
+        threads,
+    )
+    assert status == 0
+    return out
+
+
+def activation_bound(weights: torch.Tensor, magnitudes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[rows, n]: the most int16 rounding of x (d / 2 per value) can move each output, plus float32's share."""
+    rows, k = x.shape
+    d = x.view(rows, k // 32, 32).abs().amax(dim=-1) / 32767
+    half_steps = (d / 2).repeat_interleave(32, dim=1)  # [rows, k]
+    return half_steps.double() @ weights.abs().double().T + 1e-5 * (x.abs().double() @ magnitudes.double().T)
+
+
+def magnitudes(blocks: QuantBlocks) -> torch.Tensor:
+    """|a q| + |m| per weight: what float32 rounding of the two terms is relative to."""
+    n, k = blocks.q.shape
+    scaled = (blocks.q.float().view(n, -1, blocks.group) * blocks.scale[..., None]).abs()
+    if blocks.min is not None:
+        scaled = scaled + blocks.min.abs()[..., None]
+    return scaled.view(n, k)
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
+def test_blocks_unpack_exactly_like_gguf_dequantize(qtype: QType) -> None:
+    rows, columns = 32, 512
+    raw = raw_tensor(qtype, rows, columns)
+    blocks = gguf_blocks(raw, qtype, rows, columns)
+    expected = torch.from_numpy(dequantize(raw, qtype).reshape(rows, columns).astype(np.float32))
+    assert torch.equal(blocks.dequantize(), expected)
+    assert kernel_format(blocks) == f"{qtype.name} as {EXPECTED_FORMATS[qtype]}"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
+def test_native_linear_is_the_dequantized_matmul_up_to_x_rounding(qtype: QType, rows: int) -> None:
+    n, k = 48, 512
+    blocks = gguf_blocks(raw_tensor(qtype, n, k), qtype, n, k)
+    weights = blocks.dequantize()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * torch.logspace(
+        -1, 1, k
+    )  # groups of unequal size
+    error = (native_linear([blocks], x).double() - x.double() @ weights.double().T).abs()
+    bound = activation_bound(weights, magnitudes(blocks), x)
+    assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.3f}"
+    # and the bound is not loose enough to hide a wrong kernel: a wrong scale or pair would be far outside it
+    assert bound.max() < 1e-3 * (x.abs().double() @ weights.abs().double().T).max()
+
+
+def test_a_fused_matrix_of_three_types_runs_each_part_on_its_own_kernel() -> None:
+    k = 512
+    parts = [
+        gguf_blocks(raw_tensor(t, n, k, seed), t, n, k)
+        for t, n, seed in [(QType.Q5_0, 32, 1), (QType.Q8_0, 16, 2), (QType.Q6_K, 16, 3)]
+    ]
+    assert len(pack_parts(parts)) == 3
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
+    weights = torch.cat([p.dequantize() for p in parts])
+    one_thread, two_threads = native_linear(parts, x, threads=1), native_linear(parts, x, threads=2)
+    assert torch.equal(one_thread, two_threads)  # a column's arithmetic does not depend on the team
+    error = (two_threads.double() - x.double() @ weights.double().T).abs()
+    assert (error <= activation_bound(weights, torch.cat([magnitudes(p) for p in parts]), x)).all()
+
+
+def test_parts_of_one_layout_pack_as_one() -> None:
+    k = 256
+    q4_0, q4_1, q4_k = (gguf_blocks(raw_tensor(t, 16, k), t, 16, k) for t in (QType.Q4_0, QType.Q4_1, QType.Q4_K))
+    packed = pack_parts([q4_0, q4_1, q4_k])
+    assert [(p.n, p.qtypes, p.scale_bytes) for p in packed] == [(32, ("Q4_0", "Q4_1"), 2), (16, ("Q4_K",), 1)]
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q5_K, QType.Q6_K], ids=lambda t: t.name)
+def test_k_quants_own_scales_multiply_out_to_the_loaders_float32_ones(qtype: QType) -> None:
+    """The kernel reads a K-quant's 8-bit sc and fp16 d (its file's bytes); the products it forms are
+    the float32 scale and min the loader computes: bit-identical to running on those."""
+    n, k = 32, 768
+    blocks = gguf_blocks(raw_tensor(qtype, n, k, seed=5), qtype, n, k)
+    flat = dataclasses.replace(blocks, super=None)
+    assert kernel_format(flat).endswith("f32/" + str(blocks.group))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(native_linear([blocks], x), native_linear([flat], x))

@@ -1,0 +1,345 @@
+// The native step's linears (included by decoder_step.cpp): out [rows, n] (= or +=) x [rows, k] @ w^T for
+// a matrix in one of the packed formats below (worker/model/native_pack.py writes them), and the int8
+// output head. The step calls `linear(matrix, x, rows, out, accumulate)`; the format is data in the
+// matrix, so a model mixing GGUF types (a "Q4_K_M" file: Q4_K, Q5_0, Q6_K, Q8_0) runs each matrix on
+// its own weights, never re-quantized.
+//
+// Every GGUF type lmq reads natively is, once its super-block scales are multiplied out, integer
+// weights q with a scale a and a min m per group of 32 (Q6_K: 16) input values: value = a * q + m.
+//   bits 4: q in 0..15 with m     Q4_0 (m = -8 a), Q4_1, Q4_K (a = d * sc, m = -dmin * mn)
+//   bits 5: q in 0..31 with m     Q5_0 (m = -16 a), Q5_1, Q5_K
+//   bits 6: signed q, m = 0       Q6_K (q - 32 in -32..31, groups of 16, a = d * sc)
+//   bits 8: signed q, m = 0       Q8_0 (q in -128..127)
+// Scales and mins are fp16 where every value of the matrix is one exactly (the files' own d and m);
+// the K-quants keep their own two levels, an 8-bit sc (and mn) per group and an fp16 d (and dmin) per
+// 256 values, multiplied out here in float32 (exact: up to 18 significant bits, which fp16 would round);
+// float32 scales for anything else.
+//
+// The input row is quantized to int16 with one scale d per group of 32 (why int16, not int8: the
+// comment at the top of decoder_step.cpp), so per group
+//   sum_j (a q_j + m) x_j  ~  a d sum_j q_j qx_j  +  m d sum_j qx_j,
+// both inner sums exact in int32 (|q qx| <= 128 * 32767, 32 of them). With groups of 16 (and m = 0) a
+// group of x meets two weight groups: two dot products, each with its own a.
+// Layout, per block of 16 output rows and group of 32 k values (kGroupBytes), vectors of 16 rows x a
+// pair of k values, one vpdpwssd operand each once unpacked to int16:
+//   bits 4: nibbles [4, 16, 2] int16: vector j's words hold 4 nibbles, pairs 4j..4j+3;
+//   bits 5: the same nibbles, then [16, 2] int16 high bits: bit p of word (row, e) is bit 4 of pair p's value e;
+//   bits 6: nibbles of q + 32, then [2, 16, 2] int16: bits 2c, 2c + 1 of vector h's word (row, e) are bits 4, 5 of
+//           pair 8h + c's value e;
+//   bits 8: [16, 16, 2] int8: pair p of every row;
+//   scales, mins [N/16, K/group, 16] (fp16 or float32): the group's a and m for the block's 16 rows.
+// The output head is int8 per row ([N/16, K/2, 16, 2]), widened to int16 as it is read: y = s d sum qx w.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+struct QuantMatrix {
+  const uint8_t* weights;
+  const void* scales;  // fp16 (scale_bytes 2), float32 (4), or a K-quant's 8-bit sc (1: uint8, int8 for bits 6)
+  const void* mins;    // as scales (uint8 mn for K-quants); null for bits 6 and 8
+  const uint16_t* super_scales;  // K-quants (scale_bytes 1): fp16 d [N/16, K/256, 16], a = d * sc
+  const uint16_t* super_mins;    // K-quants with mins: fp16 dmin, m = -(dmin * mn)
+  int64_t n, k;
+  int32_t bits;         // 4, 5 (unsigned, with mins), 6 or 8 (signed, no mins)
+  int32_t scale_bytes;  // 1, 2 or 4
+  int32_t group;        // 32, or 16 (bits 6 and 8 only)
+  int32_t reserved;
+  const QuantMatrix* next;  // further output rows in another format (a fused q/k/v whose parts differ), or null
+};
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockN = 16;
+constexpr int kMaxRows = 8;  // x rows per pass over a block's weights: 16 weight vectors + 8 accumulators in registers
+constexpr int kInt4GroupBytes = kGroup * kBlockN / 2;  // a group of a block: 4 vectors
+constexpr int64_t kPrefetchBytes = 4096;
+
+template <int Bits>
+constexpr int kGroupBytes = Bits == 4 ? kInt4GroupBytes : Bits == 5 ? kInt4GroupBytes + 64 : Bits == 6 ? kInt4GroupBytes + 128 : kGroup * kBlockN;
+
+// The team's share of [0, total): static, contiguous.
+inline void share(int64_t total, int64_t& begin, int64_t& end) {
+  const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+  const int64_t each = total / team, extra = total % team;
+  begin = me * each + std::min(me, extra);
+  end = begin + each + (me < extra ? 1 : 0);
+}
+
+// ---- activations quantized to int16 ----
+
+struct QuantizedRows {
+  int16_t* q;      // [rows, stride]
+  float* scale;    // [rows, stride / 32]: d, one per group
+  float* sum;      // [rows, stride / 32]: d * the group's sum of qx
+  int64_t stride;  // the widest K of the step
+};
+
+// One row of k floats -> int16 with one scale per group of 32.
+void quantize_row(const float* x, int64_t k, const QuantizedRows& out, int64_t r) {
+  int16_t* q = out.q + r * out.stride;
+  float* scale = out.scale + r * (out.stride / kGroup);
+  float* sums = out.sum + r * (out.stride / kGroup);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const __m512 a = _mm512_loadu_ps(x + g * kGroup), b = _mm512_loadu_ps(x + g * kGroup + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 factor = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, factor)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, factor));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), _mm512_cvtsepi32_epi16(qa));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup + 16), _mm512_cvtsepi32_epi16(qb));
+    scale[g] = amax / 32767.f;
+    sums[g] = scale[g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  }
+}
+
+// Pairs [P0, P1) of a row's group, each pair one dword broadcast to 16 lanes, dotted with the weight
+// vectors of a block (pair p of every output row) in exact int32 arithmetic.
+template <int P0 = 0, int P1 = kGroup / 2>
+inline __m512i group_dot(const __m512i* weights, const int16_t* group) {
+  __m512i dot = _mm512_setzero_si512();
+  for (int p = P0; p < P1; ++p) dot = _mm512_dpwssd_epi32(dot, weights[p], _mm512_broadcastd_epi32(_mm_loadu_si32(group + 2 * p)));
+  return dot;
+}
+
+inline void prefetch_group(const uint8_t* bytes, int size) {
+  for (int line = 0; line < size; line += 64) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes + line), _MM_HINT_T0);
+}
+
+// ---- unpacking a block's group to 16 int16 weight vectors ----
+
+template <int Bits>
+inline void unpack(const uint8_t* packed, __m512i* weights);
+
+template <>
+inline void unpack<4>(const uint8_t* packed, __m512i* weights) {
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(packed + 64 * j);
+    weights[4 * j] = _mm512_and_si512(v, low4);
+    weights[4 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    weights[4 * j + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low4);
+    weights[4 * j + 3] = _mm512_srli_epi16(v, 12);
+  }
+}
+
+template <>
+inline void unpack<5>(const uint8_t* packed, __m512i* weights) {
+  unpack<4>(packed, weights);
+  const __m512i high = _mm512_loadu_si512(packed + kInt4GroupBytes), bit4 = _mm512_set1_epi16(0x10);
+  for (int p = 0; p < kGroup / 2; ++p) {
+    const __m512i moved = p <= 4 ? _mm512_slli_epi16(high, 4 - p) : _mm512_srli_epi16(high, p - 4);
+    weights[p] = _mm512_ternarylogic_epi32(weights[p], moved, bit4, 0xF8);  // weights | (moved & bit4)
+  }
+}
+
+template <>
+inline void unpack<6>(const uint8_t* packed, __m512i* weights) {
+  unpack<4>(packed, weights);
+  const __m512i bits45 = _mm512_set1_epi16(0x30), bias = _mm512_set1_epi16(32);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i high = _mm512_loadu_si512(packed + kInt4GroupBytes + 64 * h);
+    for (int c = 0; c < 8; ++c) {
+      const __m512i moved = c <= 2 ? _mm512_slli_epi16(high, 4 - 2 * c) : _mm512_srli_epi16(high, 2 * c - 4);
+      weights[8 * h + c] = _mm512_sub_epi16(_mm512_ternarylogic_epi32(weights[8 * h + c], moved, bits45, 0xF8), bias);
+    }
+  }
+}
+
+template <>
+inline void unpack<8>(const uint8_t* packed, __m512i* weights) {
+  for (int p = 0; p < kGroup / 2; ++p) weights[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * p)));
+}
+
+inline __m512 load_scales(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+inline __m512 load_scales(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+
+constexpr int64_t kSuperGroups = 256 / kGroup;  // groups of x per K-quant super-block
+
+// ---- the linears ----
+
+// Output columns [16 * block, +16) for x rows [r0, r0 + MR); accumulate: out += y, else out = y.
+// Scale: the type of a and m (uint16_t: fp16); Group: the weights' group (32, or 16 with no mins).
+template <int Bits, typename Scale, int Group, int MR>
+void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
+  constexpr bool kMins = Bits < 6;
+  constexpr int kSub = kGroup / Group, kBytes = kGroupBytes<Bits>;
+  static_assert(kSub == 1 || !kMins, "groups of 16 only without mins: x's sums are per 32");
+  const int64_t groups = w.k / kGroup, per_row = x.stride / kGroup;
+  const uint8_t* packed = w.weights + block * groups * kBytes;
+  const Scale* scales = static_cast<const Scale*>(w.scales) + block * groups * kSub * kBlockN;
+  const Scale* mins = kMins ? static_cast<const Scale*>(w.mins) + block * groups * kBlockN : nullptr;
+  // K-quants: the group's sc times its super-block's d (mn times dmin, negated), as the loader multiplies them.
+  constexpr bool kSuper = sizeof(Scale) == 1;
+  const uint16_t* super_scales = kSuper ? w.super_scales + block * (groups / kSuperGroups) * kBlockN : nullptr;
+  const uint16_t* super_mins = kSuper && kMins ? w.super_mins + block * (groups / kSuperGroups) * kBlockN : nullptr;
+  auto scale = [&](int64_t at, int64_t g) {
+    const __m512 v = load_scales(scales + at * kBlockN);
+    return kSuper ? _mm512_mul_ps(load_scales(super_scales + g / kSuperGroups * kBlockN), v) : v;
+  };
+  auto offset = [&](int64_t g) {
+    const __m512 v = load_scales(mins + g * kBlockN);
+    if (!kSuper) return v;
+    const __m512 product = _mm512_mul_ps(load_scales(super_mins + g / kSuperGroups * kBlockN), v);
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));  // -product
+  };
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = packed + g * kBytes;
+    prefetch_group(group, kBytes);
+    __m512i weights[kGroup / 2];
+    unpack<Bits>(group, weights);
+    if constexpr (kSub == 1) {
+      const __m512 a = scale(g, g);
+      const __m512 m = kMins ? offset(g) : _mm512_setzero_ps();
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (r0 + r) * per_row + g;
+        const __m512i dot = group_dot(weights, x.q + (r0 + r) * x.stride + g * kGroup);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a, _mm512_set1_ps(x.scale[at])), acc[r]);
+        if constexpr (kMins) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[at]), acc[r]);
+      }
+    } else {
+      const __m512 a0 = scale(2 * g, g), a1 = scale(2 * g + 1, g);
+      for (int r = 0; r < MR; ++r) {
+        const int16_t* row = x.q + (r0 + r) * x.stride + g * kGroup;
+        const __m512 d = _mm512_set1_ps(x.scale[(r0 + r) * per_row + g]);
+        const __m512i dot0 = group_dot<0, kGroup / 4>(weights, row), dot1 = group_dot<kGroup / 4, kGroup / 2>(weights, row);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(a0, d), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(a1, d), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* o = out + (r0 + r) * out_stride + block * kBlockN;
+    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), acc[r]) : acc[r]);
+  }
+}
+
+// f(std::integral_constant<int, rows>) for 1 <= rows <= Most: a kernel's row count as a template argument.
+template <int Most, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (Most > 1) {
+    if (rows < Most) return with_rows<Most - 1>(rows, f);
+  }
+  f(std::integral_constant<int, Most>{});
+}
+
+// f(block, r0, tile rows) over the team's share of `blocks` column blocks, x's rows in tiles of at most
+// Most: a block's weights come from memory once, then from cache.
+template <int Most, typename F>
+void over_blocks(int64_t blocks, int64_t rows, F&& f) {
+  int64_t begin, end;
+  share(blocks, begin, end);
+  for (int64_t b = begin; b < end; ++b)
+    for (int64_t r0 = 0; r0 < rows; r0 += Most) with_rows<Most>(std::min<int64_t>(Most, rows - r0), [&](auto tile) { f(b, r0, tile); });
+}
+
+template <int Bits, typename Scale, int Group>
+void quant_part(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
+  over_blocks<kMaxRows>(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) {
+    quant_block<Bits, Scale, Group, tile.value>(w, b, x, r0, out, out_stride, accumulate);
+  });
+}
+
+template <int Bits, int Group>
+void by_scales(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
+  using Sub = std::conditional_t<(Bits >= 6), int8_t, uint8_t>;  // a K-quant's sc: Q6_K's signed, Q4_K/Q5_K's 6-bit
+  if (w.scale_bytes == 2)
+    quant_part<Bits, uint16_t, Group>(w, x, rows, out, out_stride, accumulate);
+  else if (w.scale_bytes == 4)
+    quant_part<Bits, float, Group>(w, x, rows, out, out_stride, accumulate);
+  else
+    quant_part<Bits, Sub, Group>(w, x, rows, out, out_stride, accumulate);
+}
+
+// The formats with a kernel (bits, scale bytes, group); lmq_step refuses a model with any other.
+bool known_format(const QuantMatrix& w) {
+  for (const QuantMatrix* part = &w; part; part = part->next) {
+    const bool super = part->super_scales && (part->bits >= 6 || part->super_mins) && part->k % 256 == 0;
+    const bool scales = part->scale_bytes == 2 || part->scale_bytes == 4 || (part->scale_bytes == 1 && super);
+    const bool ok = (part->bits == 4 || part->bits == 5) ? part->group == 32 && part->mins
+                                                         : (part->bits == 6 || part->bits == 8) && (part->group == 32 || part->group == 16);
+    if (!scales || !ok || part->n % kBlockN || part->k != w.k) return false;
+  }
+  return true;
+}
+
+// Its parts' output rows side by side: the whole matrix's n.
+int64_t total_rows(const QuantMatrix& w) {
+  int64_t n = 0;
+  for (const QuantMatrix* part = &w; part; part = part->next) n += part->n;
+  return n;
+}
+
+// out [rows, total n] (= or +=) x @ w^T, each part on its format's kernel, the team splitting each part's
+// column blocks (parts write disjoint columns: no barrier between them).
+void quant_linear(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, bool accumulate) {
+  const int64_t stride = total_rows(w);
+  int64_t column = 0;
+  for (const QuantMatrix* part = &w; part; column += part->n, part = part->next) {
+    const QuantMatrix& p = *part;
+    float* o = out + column;
+    switch (p.bits * 100 + p.group) {
+      case 432: by_scales<4, 32>(p, x, rows, o, stride, accumulate); break;
+      case 532: by_scales<5, 32>(p, x, rows, o, stride, accumulate); break;
+      case 832: by_scales<8, 32>(p, x, rows, o, stride, accumulate); break;
+      case 816: by_scales<8, 16>(p, x, rows, o, stride, accumulate); break;
+      case 616: by_scales<6, 16>(p, x, rows, o, stride, accumulate); break;
+      default: break;  // known_format refused it before the step
+    }
+  }
+}
+
+// ---- int8 head ----
+
+template <int MR>
+void int8_block(const int8_t* head, const float* head_scale, int64_t hidden, int64_t vocab, int64_t block, const QuantizedRows& x, int64_t r0, float* out) {
+  const int64_t groups = hidden / kGroup, per_row = x.stride / kGroup;
+  const int8_t* packed = head + block * kBlockN * hidden;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* bytes = packed + g * kGroup * kBlockN;
+    prefetch_group(reinterpret_cast<const uint8_t*>(bytes), kGroup * kBlockN);
+    __m512i weights[kGroup / 2];
+    unpack<8>(reinterpret_cast<const uint8_t*>(bytes), weights);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i dot = group_dot(weights, x.q + (r0 + r) * x.stride + g * kGroup);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x.scale[(r0 + r) * per_row + g]), acc[r]);
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(head_scale + block * kBlockN);
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + (r0 + r) * vocab + block * kBlockN, _mm512_mul_ps(acc[r], scale));
+}
+
+// logits [rows, vocab] = x @ head^T, head int8 per row [vocab / 16, hidden / 2, 16, 2] with scales [vocab].
+void int8_head(const int8_t* head, const float* head_scale, int64_t hidden, int64_t vocab, const QuantizedRows& x, int64_t rows, float* out) {
+  over_blocks<kMaxRows>(vocab / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) { int8_block<tile.value>(head, head_scale, hidden, vocab, b, x, r0, out); });
+}
+
+}  // namespace
+
+extern "C" {
+// One linear outside a step (tests, bench/engine/native_linear.py): out [rows, total n] = x [rows, k] @ w^T,
+// x quantized as a step quantizes it, on `threads` threads. Returns 0, or 1 for a format with no kernel.
+int lmq_linear(const QuantMatrix* w, const float* x, int64_t rows, float* out, int threads);
+}
+
+int lmq_linear(const QuantMatrix* w, const float* x, int64_t rows, float* out, int threads) {
+  if (!known_format(*w) || w->k % kGroup) return 1;
+  std::vector<int16_t> q(rows * w->k);
+  std::vector<float> scale(rows * w->k / kGroup), sum(rows * w->k / kGroup);
+  const QuantizedRows quantized{q.data(), scale.data(), sum.data(), w->k};
+  for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * w->k, w->k, quantized, r);
+#pragma omp parallel num_threads(std::max(threads, 1))
+  quant_linear(*w, quantized, rows, out, false);
+  return 0;
+}
