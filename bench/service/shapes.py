@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += level_rows(label, runs, ceilings)
         commands += started + alternation.commands
         print(format_rows(rows), flush=True)
-    section = render(rows, machine_ceilings, commands, load_before, args)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "shapes.json").write_text(json.dumps({"rows": rows, "ceilings": vars(machine_ceilings)}, indent=2))
+    section = render(rows, machine_ceilings, commands, load_before, args)
     document = args.doc.read_text() if args.doc.exists() else "# Models\n"
     args.doc.write_text(report.replace_section(document, section, BEGIN, END))
     print(f"\nwrote {args.doc}")
@@ -206,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(rows: list[dict], ceilings: roofline.Ceilings, commands: list[str], load: float, args) -> str:
-    from bench.service.run_all import machine
+    from bench.engine.quality import cpu_model
 
     return "\n".join([
-        f"_Measured by `bench/service/shapes.py` on {datetime.date.today().isoformat()}. Machine: {machine()}; "
+        f"_Measured by `bench/service/shapes.py` on {datetime.date.today().isoformat()}. Machine: {cpu_model()}, "
+        f"{os.cpu_count()} cores; "
         f"load average when the run began: {load:.2f} (other work on the cores skews every figure). "
         f"{ceilings.describe()}._",
         "",
