@@ -89,7 +89,7 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int) -> torch.Tensor:
             query_lens=[end - start],
             context_lens=[end],
             page_tables=torch.arange(pages)[None, :],
-            logits_indices=torch.tensor(rows, dtype=torch.int64),
+            logits_indices=torch.tensor(rows or [end - start - 1], dtype=torch.int64),  # the engine always asks for one
         )
         logits = loaded.model(batch, kv)
         if rows:

@@ -79,3 +79,11 @@ def test_the_f32_copy_holds_the_same_model(tmp_path, tokenizer_gguf):
     b = chunk_logits(load_model(str(copy), dtype="float32", quant="none", device="cpu"), chunk, step_rows=16)
     assert a.shape[0] == len(scored_rows(16)) and torch.isfinite(a).all()
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # steps of 5 rows or one of 16: the same logits
+
+
+@pytest.mark.slow
+def test_chunk_logits_runs_steps_that_score_no_row_in_the_default_mode(tmp_path, tokenizer_gguf):
+    """The torch path's int8 head cannot take a step with no logit rows: the bench asks for one and drops it."""
+    path = ggufs.write_random_gguf(SMALL["qwen3"], tmp_path / "qwen3.F16.gguf", tokenizer_gguf)
+    logits = chunk_logits(load_model(str(path), device="cpu"), list(range(1, 33)), step_rows=4)
+    assert logits.shape[0] == len(scored_rows(32)) and torch.isfinite(logits).all()
