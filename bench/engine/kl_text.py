@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 import torch
 
+from bench.engine.quality import step_forward
 from worker.batch import PagedKV, StepBatch
 
 TEXT = Path(__file__).with_name("kl_text.txt")
@@ -78,6 +79,7 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int) -> torch.Tensor:
     kv_dtype = loaded.dtype
     kv = PagedKV(k=torch.zeros(shape, dtype=kv_dtype), v=torch.zeros(shape, dtype=kv_dtype))
     wanted = scored_rows(ctx)
+    forward = step_forward(loaded)  # the worker's step backend: the native step where it serves the mode
     parts = []
     for start in range(0, ctx, step_rows):
         end = min(start + step_rows, ctx)
@@ -91,7 +93,7 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int) -> torch.Tensor:
             page_tables=torch.arange(pages)[None, :],
             logits_indices=torch.tensor(rows or [end - start - 1], dtype=torch.int64),  # the engine always asks for one
         )
-        logits = loaded.model(batch, kv)
+        logits = forward(batch, kv)
         if rows:
             parts.append(logits.float())
     return torch.cat(parts)
