@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps serve test test-fast lint bench soak clean
+.PHONY: install system-deps serve test test-fast test-long lint bench soak clean
 
 install: $(STAMP)
 
@@ -26,7 +26,11 @@ system-deps:
 	bash .ci/system-deps
 
 test: install system-deps lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not long"
+
+# the black-box target runs of minutes: ten Redis restarts and ten Sentinel failovers in a row under 16 streams
+test-long: install
+	$(BIN)/pytest -q -m long
 
 # unit and in-process tests only (no default model, no process-level stacks)
 test-fast: install

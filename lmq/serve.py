@@ -72,7 +72,8 @@ def explain(exc: BaseException) -> str | None:
         return f"lost the connection to Redis: {exc}"
     if isinstance(exc, OSError) and exc.errno in _LISTEN_ERRORS:
         return f"cannot listen: {exc}"
-    if type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc):  # torch's CUDA / CPU allocators
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc):
+        # Python's own allocator (the page pool's free list), torch's CUDA and CPU allocators
         return f"out of memory: {_message(exc)} (lower LMQ_KV_MEMORY or LMQ_MAX_SEQS)"
     return None
 

@@ -144,7 +144,7 @@ async def test_no_worker_answers_the_resume_the_client_gets_the_visible_error(ki
         stack.close()
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("kind", KINDS)
 async def test_ten_redis_restarts_in_a_row_under_16_streams(kind, tmp_path, tiny_model_dir, pool):
     """The black-box target of issue 30: 10 faults in a row, each a Redis SIGKILL + restart while 16
@@ -216,7 +216,7 @@ def _pairs(flat) -> dict:
     return flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2]))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", KINDS)
 async def test_ten_sentinel_failovers_in_a_row_under_16_streams(kind, tmp_path, tiny_model_dir, pool):
