@@ -12,8 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.gpu import check as gpu_check
 from bench.gpu.report import render
+
+pytestmark = pytest.mark.system  # its phases are child processes, killed and timed
 
 ROOT = Path(__file__).resolve().parents[2]
 

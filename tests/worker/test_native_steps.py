@@ -26,9 +26,12 @@ from worker.runtime.select import select_backend
 
 PAGE = 16
 
-pytestmark = pytest.mark.skipif(
-    build.missing_requirements() is not None, reason=f"native decode step: {build.missing_requirements()}"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        build.missing_requirements() is not None, reason=f"native decode step: {build.missing_requirements()}"
+    ),
+    pytest.mark.slow,  # every test here runs the real default model
+]
 
 
 def _native_backend(loaded: LoadedModel) -> CpuNativeBackend:

@@ -102,6 +102,8 @@ async def test_a_64_mib_upload_and_the_batch_made_from_it_never_stall_the_loop(r
 
 POST_BODY = r"""
 import sys, urllib.request
+
+pytestmark = pytest.mark.system  # an SDK client process uploads 64 MiB
 with open(sys.argv[2], "rb") as f:
     body = f.read()
 request = urllib.request.Request(sys.argv[1] + "/v1/messages/batches", data=body, headers={"content-type": "application/json", "x-api-key": "unused"})
