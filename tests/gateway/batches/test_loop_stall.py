@@ -10,10 +10,14 @@ import sys
 import time
 import tracemalloc
 
+import pytest
+
 from gateway.batches import parse
 from gateway.config import GatewayConfig
 from tests.support.batch_files import chat_line
 from tests.support.gateway_harness import REAL_MODEL, announce, running_gateway
+
+pytestmark = pytest.mark.system  # client processes upload 64 MiB
 
 # The target is a gap under 100 ms (measured here: 7-14 ms); the old code stalled 4-8 s of its own CPU
 # time. The bound sits between: it fails on the stall the issue reported, not on the machine's load
@@ -102,8 +106,6 @@ async def test_a_64_mib_upload_and_the_batch_made_from_it_never_stall_the_loop(r
 
 POST_BODY = r"""
 import sys, urllib.request
-
-pytestmark = pytest.mark.system  # an SDK client process uploads 64 MiB
 with open(sys.argv[2], "rb") as f:
     body = f.read()
 request = urllib.request.Request(sys.argv[1] + "/v1/messages/batches", data=body, headers={"content-type": "application/json", "x-api-key": "unused"})
