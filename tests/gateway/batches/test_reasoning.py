@@ -1,0 +1,81 @@
+"""A thinking model's batch answers carry the thinking apart, as the live endpoints answer it (issue 29):
+a tiny random Qwen3 under the real Qwen3 template, its output scripted by a regex constraint
+(tests/support/thinking_model.py), served by a real worker; each item is asked live too, and the
+batch's answer must be the live one (greedy, float32: the same tokens).
+
+- OpenAI chat items: `message.content` the answer, `reasoning_content` / `reasoning` the thinking,
+  `completion_tokens_details.reasoning_tokens` its tokens.
+- Anthropic message items with `thinking: enabled`: a `thinking` block (signed, as live) before the text.
+"""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+from openai.types.chat import ChatCompletion
+
+from gateway import anthropic as anthropic_api
+from gateway import openai as openai_api
+from tests.support.batch_files import file_lines, jsonl, openai_batch_end, poll
+from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
+from tests.support.thinking_model import QUESTION, THINK_THEN_ANSWER, make_tiny_qwen3
+from worker.model.loader import LoadedModel
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture
+async def url(redis_url, tiny_qwen3, monkeypatch):
+    monkeypatch.setattr(openai_api, "parse_response_format", lambda body: THINK_THEN_ANSWER)
+    monkeypatch.setattr(anthropic_api, "parse_output_format", lambda body: THINK_THEN_ANSWER)
+    async with real_worker(redis_url, tiny_qwen3, kv_memory="16MiB"), running_gateway(redis_url) as url:
+        yield url
+
+
+async def test_a_chat_batch_answer_has_the_thinking_apart_as_the_live_one(url):
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    ask = {"model": REAL_MODEL, "messages": QUESTION, "max_tokens": 96, "temperature": 0}
+    live = await client.chat.completions.create(**ask)
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions", "body": ask}
+    upload = await client.files.create(file=("in.jsonl", jsonl([line])), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch = await openai_batch_end(client, batch.id)
+    [found] = await file_lines(client, batch.output_file_id)
+    answer = ChatCompletion.model_validate(found["response"]["body"])
+    message, expected = answer.choices[0].message, live.choices[0].message
+    assert message.content == expected.content == "Paris."
+    assert message.reasoning_content == message.reasoning == expected.reasoning_content
+    assert expected.reasoning_content  # the live answer thought: the comparison means something
+    reasoning_tokens = answer.usage.completion_tokens_details.reasoning_tokens
+    assert reasoning_tokens == live.usage.completion_tokens_details.reasoning_tokens > 0
+
+
+async def test_a_message_batch_answer_opens_with_the_thinking_block_as_the_live_one(url):
+    client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+    params = {
+        "model": REAL_MODEL,
+        "max_tokens": 96,
+        "messages": QUESTION,
+        "thinking": {"type": "enabled", "budget_tokens": 64},
+    }
+    live = await client.messages.create(**params, extra_body={"temperature": 0})
+    item = {"custom_id": "m", "params": params | {"temperature": 0}}
+    batch = await client.messages.batches.create(requests=[item])
+
+    async def ended():
+        found = await client.messages.batches.retrieve(batch.id)
+        return found if found.processing_status == "ended" else None
+
+    await poll(ended, what="the batch's end")
+    [result] = [result async for result in await client.messages.batches.results(batch.id)]
+    assert result.result.type == "succeeded", result
+    message = result.result.message
+    assert [block.type for block in live.content] == ["thinking", "text"]  # the live answer thought
+    assert [block.model_dump() for block in message.content] == [block.model_dump() for block in live.content]
+    assert message.usage.output_tokens == live.usage.output_tokens
