@@ -24,7 +24,7 @@ from protocol.messages import MAX_TOKENS_LIMIT
 
 from . import sse, thinking_signature, tool_calls
 from .choices import Choices
-from .context import gateway_of
+from .context import Gateway, gateway_of
 from .errors import anthropic_error_body
 from .generation import Delta, Done, Generation, Usage, new_request, new_request_id
 from .tool_calls import Piece, ToolCall, ToolCallReader, ToolPlan
@@ -131,13 +131,6 @@ def continues_answer(messages: list[dict[str, Any]]) -> bool:
     """A conversation ending with the assistant's own text asks to continue that text."""
     last = messages[-1]
     return last["role"] == "assistant" and not last.get("tool_calls")
-
-
-def refuse_thinking(body: dict[str, Any]) -> None:
-    """For batch items, whose answers are written without the thinking split (yet)."""
-    thinking = body.get("thinking")
-    if thinking is not None and thinking != {"type": "disabled"}:
-        raise invalid("thinking", "extended thinking is not supported in batches")
 
 
 def parse_thinking(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
@@ -254,6 +247,34 @@ def message_body(
     }
 
 
+def message_request(
+    gateway: Gateway, body: dict[str, Any], model: str, request_id: str
+) -> tuple[protocol.Request, ToolPlan]:
+    """The protocol request a messages body asks for, and its tool plan: what the live handler sends,
+    and what a batch item sends (gateway/batches/items.py). Raises ApiError naming a bad parameter."""
+    sampling = parse_sampling(body, gateway.config.sampling_default_fields)
+    thinking = parse_thinking(body, sampling.max_tokens)
+    plan = tool_calls.anthropic_plan(body)
+    chat = parse_messages(body, gateway.config.thinking_secret)
+    work = new_request(
+        gateway, request_id, model, sampling,
+        messages=chat, tools=plan.tools, constraint=plan.constraint or parse_output_format(body), continue_final=continues_answer(chat),
+        **thinking,
+    )  # fmt: skip
+    return work, plan
+
+
+def complete_message(request_id: str, model: str, text: str, done: Done, plan: ToolPlan, secret: str) -> dict[str, Any]:
+    """A finished answer as the message body: the thinking (a thinking model's, signed with `secret`)
+    first, then the text, then the tool calls read from it. The live handler's and a batch item's."""
+    reader = ToolCallReader(plan, "toolu_")
+    content_text = reader.feed(text).text + reader.finish().text
+    content = [thinking_block(secret, done.reasoning)] if done.reasoning else []
+    content += [{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else []
+    content += [tool_use_block(call) for call in reader.calls]
+    return message_body(request_id, model, content, done, reader.calls, forced=reader.forced_done)
+
+
 # ---------------------------------------------------------------- handlers
 
 
@@ -262,29 +283,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     refuse_unknown(body, MESSAGES_PARAMS)
     model = await gateway.models.require(required_str(body, "model"))
-    sampling = parse_sampling(body, gateway.config.sampling_default_fields)
-    thinking = parse_thinking(body, sampling.max_tokens)
-    stream = bool(optional_bool(body, "stream"))
-    plan = tool_calls.anthropic_plan(body)
-    secret = gateway.config.thinking_secret
-    chat = parse_messages(body, secret)
     request_id = new_request_id("msg_")
-    work = new_request(
-        gateway, request_id, model, sampling,
-        messages=chat, tools=plan.tools, constraint=plan.constraint or parse_output_format(body), continue_final=continues_answer(chat),
-        **thinking,
-    )  # fmt: skip
+    work, plan = message_request(gateway, body, model, request_id)
+    stream = bool(optional_bool(body, "stream"))
+    secret = gateway.config.thinking_secret
     async with Choices(gateway, [work], "messages") as choices:
         if not stream:
             [(text, _, done)] = await choices.results()
-            reader = ToolCallReader(plan, "toolu_")
-            content_text = reader.feed(text).text + reader.finish().text
-            content = [thinking_block(secret, done.reasoning)] if done.reasoning else []
-            content += [{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else []
-            content += [tool_use_block(call) for call in reader.calls]
-            return web.json_response(
-                message_body(request_id, model, content, done, reader.calls, forced=reader.forced_done)
-            )
+            return web.json_response(complete_message(request_id, model, text, done, plan, secret))
         await choices.admitted(gateway.config.admission_wait)
         keepalive = gateway.config.keepalive_seconds
         return await sse.relay_in_stream(

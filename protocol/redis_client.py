@@ -116,15 +116,6 @@ class _RedisCluster(RedisCluster):
             raise ConnectionError(f"the connection was closed under the command ({exc})") from exc
 
 
-async def transaction(client: aioredis.Redis):
-    """A MULTI/EXEC pipeline of `client`. redis-py 8.1 runs a cluster transaction whose slot map has
-    gone stale (after a node failed or slots moved) on another event loop, where it fails: on a
-    cluster the map is brought up to date first, on this loop (nothing is asked when it is current)."""
-    if isinstance(client, RedisCluster):
-        await client.initialize()
-    return client.pipeline(transaction=True)
-
-
 def reply_text(value: bytes | str | None) -> str:
     """A reply's value as text: the clients here answer bytes; a str passes, None is ""."""
     if value is None:

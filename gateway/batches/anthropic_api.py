@@ -147,7 +147,8 @@ async def results(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, f"Batch {batch.id} has not finished processing; its results come once it has ended")
     response = web.StreamResponse(headers={"Content-Type": "application/binary"})
     await response.prepare(request)
-    async for line in outputs.anthropic_results(gateway_batches(request)[1].store, batch):
+    gateway, batches = gateway_batches(request)
+    async for line in outputs.anthropic_results(batches.store, batch, gateway.config.thinking_secret):
         await response.write(line)
     await response.write_eof()
     return response

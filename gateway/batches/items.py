@@ -8,7 +8,11 @@ refused (an item has one answer, written to a file), and the model need not be s
 A body is checked when its item runs (`batch_request`), not when the batch is made: a refused one
 ends that item `errored` with the endpoint's status and error (parse.py checks the format up front).
 
-This is the one module that follows those handlers' steps; when they change, this follows.
+A messages item is built and answered by the live handler's own functions (anthropic.py
+`message_request`, `complete_message`: a copy had drifted, ignoring `output_config` and a forced
+call's end); the OpenAI kinds follow the handlers' steps here, and when those change, these follow.
+A thinking model's answer is rendered from the outcome's split (item_run.py `answer`): the answer's
+text, and its thinking as `Done.reasoning`, as live.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from ..context import Gateway
 from ..errors import WORKER_ERROR_STATUS, ApiError, anthropic_error_body, openai_error_body
 from ..generation import Done, Usage, new_request
 from ..openai_shapes import ChatShape, CompletionShape
-from ..tool_calls import ToolCallReader
 from ..validate import invalid, optional_bool, refuse_unknown, required_str
 
 CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
@@ -74,44 +77,33 @@ def _completion_request(gateway: Gateway, body: dict[str, Any], request_id: str)
 
 def _message_request(gateway: Gateway, body: dict[str, Any], request_id: str) -> protocol.Request:
     refuse_unknown(body, anthropic.MESSAGES_PARAMS)
-    anthropic.refuse_thinking(body)
-    model = required_str(body, "model")
-    sampling = anthropic.parse_sampling(body, gateway.config.sampling_default_fields)
-    plan = tool_calls.anthropic_plan(body)
-    chat = anthropic.parse_messages(body, gateway.config.thinking_secret)
-    return new_request(
-        gateway, request_id, model, sampling,
-        messages=chat, tools=plan.tools, constraint=plan.constraint, continue_final=anthropic.continues_answer(chat),
-        **anthropic.parse_thinking(body, sampling.max_tokens),  # thinking off, as on the live endpoint
-    )  # fmt: skip
+    work, _ = anthropic.message_request(gateway, body, required_str(body, "model"), request_id)
+    return work
 
 
 # ---------------------------------------------------------------- answers, as the handlers write them
 
 
 async def _chat_body(
-    body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done
+    body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done, secret: str | None
 ) -> dict[str, Any]:
     shape = ChatShape(request_id, model, False, openai.parse_chat_logprobs(body))
     return await openai.complete_chat(_Finished([(text, logprobs, done)]), shape, tool_calls.openai_plan(body))
 
 
 async def _completion_body(
-    body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done
+    body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done, secret: str | None
 ) -> dict[str, Any]:
     shape = CompletionShape(request_id, model, False, openai.parse_completion_logprobs(body))
     return shape.complete([(text, logprobs, done.finish_reason)], total_usage([done], 1))
 
 
 async def _message_body(
-    body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done
+    body: dict[str, Any], model: str, request_id: str, text: str, logprobs: list, done: Done, secret: str | None
 ) -> dict[str, Any]:
-    plan = tool_calls.anthropic_plan(body)
-    reader = ToolCallReader(plan, "toolu_")
-    content_text = reader.feed(text).text + reader.finish().text
-    content = [{"type": "text", "text": content_text}] if content_text.strip() or not reader.calls else []
-    content += [anthropic.tool_use_block(call) for call in reader.calls]
-    return anthropic.message_body(request_id, model, content, done, reader.calls)
+    if secret is None:
+        raise ValueError("a messages answer's thinking is signed: answer_body needs the gateway's thinking_secret")
+    return anthropic.complete_message(request_id, model, text, done, tool_calls.anthropic_plan(body), secret)
 
 
 class _Finished:
@@ -154,18 +146,29 @@ def batch_request(
 
 
 def done_of(outcome: dict[str, Any]) -> Done:
+    """The `done` of a succeeded outcome, with a thinking model's thinking (an outcome written before
+    batches split it has none: its thinking stays in its text, as it was answered)."""
     usage = outcome.get("usage") or {}
     finished = outcome.get("done") or {}
     return Done(
         finish_reason=finished.get("finish_reason", "stop"),
         stop_sequence=finished.get("stop_sequence"),
-        usage=Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0)),
+        usage=Usage(
+            usage.get("prompt_tokens", 0),
+            usage.get("completion_tokens", 0),
+            usage.get("cached_tokens", 0),
+            outcome.get("reasoning_tokens", 0),
+        ),
         extra=finished.get("extra") or {},
+        reasoning=outcome.get("reasoning", ""),
     )
 
 
-async def answer_body(item: dict[str, Any], outcome: dict[str, Any]) -> dict[str, Any]:
-    """A succeeded item's answer, the body the live endpoint would have sent."""
+async def answer_body(
+    item: dict[str, Any], outcome: dict[str, Any], thinking_secret: str | None = None
+) -> dict[str, Any]:
+    """A succeeded item's answer, the body the live endpoint would have sent. `thinking_secret`: the
+    gateway's, which signs a messages answer's thinking block (needed for messages items only)."""
     body = item["body"]
     kind = KINDS[item["url"]]
     return await kind.render(
@@ -175,6 +178,7 @@ async def answer_body(item: dict[str, Any], outcome: dict[str, Any]) -> dict[str
         outcome.get("text", ""),
         outcome.get("logprobs") or [],
         done_of(outcome),
+        thinking_secret,
     )
 
 

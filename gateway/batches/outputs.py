@@ -69,12 +69,13 @@ async def openai_lines(store: BatchStore, batch: Batch) -> AsyncIterator[tuple[b
         yield kind == "succeeded", _line(line)
 
 
-async def anthropic_results(store: BatchStore, batch: Batch) -> AsyncIterator[bytes]:
+async def anthropic_results(store: BatchStore, batch: Batch, thinking_secret: str) -> AsyncIterator[bytes]:
+    """One line per item; `thinking_secret` signs a thinking model's thinking blocks, as live."""
     async for _, item, outcome in _pairs(store, batch):
         kind = outcome["outcome"]
         result: dict[str, Any] = {"type": kind}
         if kind == "succeeded":
-            result["message"] = await items.answer_body(item, outcome)
+            result["message"] = await items.answer_body(item, outcome, thinking_secret)
         elif kind == "errored":
             result["error"] = items.anthropic_error(outcome)
         yield _line({"custom_id": item["custom_id"], "result": result})

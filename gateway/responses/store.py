@@ -17,6 +17,24 @@ keys): `get` answers None to anyone else, so another key gets the handlers' 404.
 against the shape `new_id` makes before they name a key. Every key expires `ttl` seconds after the
 response was stored or ended. Enqueueing a background response and cancelling it are one script
 each, so two gateways never enqueue one response twice.
+
+Every write that must land whole is one Lua script, never a MULTI: a record with its place in the
+active set, a background response's end (its record, the expiry of its events, its reply stream
+deleted, out of the active set), a deletion. On a cluster a MULTI's EXEC goes where the client's slot
+map said at its last refresh, and a failover or a slot move in between fails the transaction; a
+script is one command, which a cluster client retries at the node that now serves the slot.
+
+Why every response shares the home shard's one slot, rather than a hash tag of its own: a script on
+a cluster touches one slot, and what must change together spans responses. The enqueue script
+XADDs to the home shard's request stream (the shard whose workers read it) as it marks the record;
+the worker's step script writes the reply stream in the step that acknowledges that entry, so the
+reply stream must be in the request stream's slot (`Shard.holds`); and the active set, which every
+gateway scans for work, is one key that `save` and `end` change with a record. A tag per response
+would spread the records over the primaries, but splits each of those writes in two with a window
+between them (an ended response still active, an active id with no record) that a recovery rule
+would have to close. The home slot's load is a few writes a response, plus a background
+response's events: small beside the request path, which is sharded. The key names and fields are
+those of the MULTI version, so records stored before this change read unchanged.
 """
 
 from __future__ import annotations
@@ -30,7 +48,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from protocol.keys import Shard
-from protocol.redis_client import reply_text, transaction
+from protocol.redis_client import reply_text
 
 ID = re.compile(r"resp_[0-9a-f]{32}")
 ENDED = ("completed", "incomplete", "failed", "cancelled")
@@ -67,6 +85,33 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
 """
 
+SAVE_LUA = r"""
+-- KEYS = [response, active set]; ARGV = [response id, ttl s, "1" if active else "", field, value, ...]
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+if ARGV[3] == '1' then redis.call('SADD', KEYS[2], ARGV[1]) end
+return 1
+"""
+
+END_LUA = r"""
+-- KEYS = [response, events, reply stream, active set]; ARGV = [response id, ttl s, field, value, ...]
+-- a background response's last write; 0 (only off the active set) if it was deleted meanwhile
+redis.call('SREM', KEYS[4], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[3])
+return 1
+"""
+
+DELETE_LUA = r"""
+-- KEYS = [response, events, reply stream, active set]; ARGV = [response id]
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('SREM', KEYS[4], ARGV[1])
+return 1
+"""
+
 
 def new_id() -> str:
     return f"resp_{secrets.token_hex(16)}"
@@ -81,6 +126,9 @@ class ResponseStore:
         self._cancel = redis.register_script(CANCEL_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
+        self._save = redis.register_script(SAVE_LUA)
+        self._end = redis.register_script(END_LUA)
+        self._delete = redis.register_script(DELETE_LUA)
 
     def key(self, response_id: str, part: str = "") -> str:
         return self.home.key(f"response:{response_id}" + (f":{part}" if part else ""))
@@ -115,32 +163,21 @@ class ResponseStore:
     async def save(self, response_id: str, fields: dict[str, Any], active: bool = False) -> None:
         """Write (or add to) a record; it expires `ttl` seconds from now. `active`: a background
         response some gateway must drive."""
-        pipe = await transaction(self.redis)
-        pipe.hset(self.key(response_id), mapping={name: _field(value) for name, value in fields.items()})
-        pipe.expire(self.key(response_id), self.ttl)
-        if active:
-            pipe.sadd(self.active_key, response_id)
-        await pipe.execute()
+        keys = [self.key(response_id), self.active_key]
+        await self._save(keys=keys, args=[response_id, self.ttl, "1" if active else "", *_pairs(fields)])
 
     async def end(self, response_id: str, fields: dict[str, Any]) -> None:
         """A background response's last write: its final object; it leaves the active set, and every
-        key of it expires `ttl` from now (the worker's reply stream is deleted)."""
-        if not await self.redis.exists(self.key(response_id)):
-            await self.redis.srem(self.active_key, response_id)  # deleted meanwhile
-            return
-        pipe = await transaction(self.redis)
-        pipe.hset(self.key(response_id), mapping={name: _field(value) for name, value in fields.items()})
-        pipe.expire(self.key(response_id), self.ttl)
-        pipe.expire(self.key(response_id, "events"), self.ttl)
-        pipe.delete(self.reply_stream(response_id))
-        pipe.srem(self.active_key, response_id)
-        await pipe.execute()
+        key of it expires `ttl` from now (the worker's reply stream is deleted). A response deleted
+        meanwhile only leaves the active set: no record is made again without its owner."""
+        await self._end(keys=self._keys(response_id), args=[response_id, self.ttl, *_pairs(fields)])
 
     async def delete(self, response_id: str) -> None:
-        pipe = await transaction(self.redis)
-        pipe.delete(self.key(response_id), self.key(response_id, "events"), self.reply_stream(response_id))
-        pipe.srem(self.active_key, response_id)
-        await pipe.execute()
+        await self._delete(keys=self._keys(response_id), args=[response_id])
+
+    def _keys(self, response_id: str) -> list[str]:
+        """A response's keys, and the active set."""
+        return [self.key(response_id), self.key(response_id, "events"), self.reply_stream(response_id), self.active_key]
 
     async def enqueue(self, response_id: str, stream: str) -> str | None:
         """XADD a queued background response's request, once whoever asks; its entry id, or None."""
@@ -189,6 +226,11 @@ class ResponseStore:
 
     async def release_lease(self, response_id: str, gateway_id: str) -> None:
         await self._release(keys=[self.key(response_id, "lease")], args=[gateway_id])
+
+
+def _pairs(fields: dict[str, Any]) -> list[str | bytes]:
+    """A hash's fields as HSET's arguments: field, value, field, value, ..."""
+    return [part for name, value in fields.items() for part in (name, _field(value))]
 
 
 def _field(value: Any) -> str | bytes:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import re
 
 import aiohttp
@@ -26,11 +25,10 @@ import protocol
 from gateway import anthropic as anthropic_api
 from gateway import openai as openai_api
 from tests.support.gateway_harness import MODEL, REAL_MODEL, real_worker, running_gateway, worker_running
-from tests.support.tiny_families import FAMILY_BY_NAME, make_family_model
+from tests.support.thinking_model import QUESTION, QWEN3_TEMPLATE, THINK_THEN_ANSWER, make_tiny_qwen3
 from worker.model.chat_template import ChatTemplate
-from worker.model.loader import LoadedModel, load_model
+from worker.model.loader import LoadedModel
 
-QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 # A Qwen3 answer as the worker streams it, a tag cut across deltas.
 PIECES = ["<think>", "\nThe user", " asks 2+2.", "\n</th", "ink>\n\n", "It is", " 4."]
 REASONING, ANSWER, REASONING_TOKENS = "The user asks 2+2.", "It is 4.", 5
@@ -155,18 +153,10 @@ async def test_a_model_that_does_not_think_answers_a_thinking_request_as_usual(r
 
 # ---------------------------------------------------------------- a tiny random Qwen3, real template, real worker
 
-QWEN3_TEMPLATE = pathlib.Path(__file__).parents[1] / "worker" / "model" / "chat_templates" / "Qwen-Qwen3-0.6B.jinja"
-# The script: a run of these letters inside the block (the budget may close it), then the answer.
-THINK_THEN_ANSWER = {"type": "regex", "pattern": r"<think>\n[ ok]{1,40}\n</think>\n\nParis\."}
-
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    family = FAMILY_BY_NAME["qwen3"]
-    spec = dataclasses.replace(family, config={**family.config, "max_position_embeddings": 512})
-    template = QWEN3_TEMPLATE.read_text(encoding="utf-8")
-    directory = make_family_model(spec, tmp_path_factory.mktemp("qwen3"), chat_template=template)
-    return load_model(str(directory), dtype="float32", quant="none", device="cpu")
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture

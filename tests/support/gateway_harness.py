@@ -20,6 +20,8 @@ from redis.exceptions import ResponseError
 import protocol
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from protocol.cluster_url import shard_layout
+from protocol.redis_client import connect
 from tests.support.worker_harness import stop_worker, wait_for
 from worker.config import WorkerConfig
 from worker.service import Worker
@@ -135,7 +137,8 @@ async def worker_running(
 
 @contextlib.asynccontextmanager
 async def real_worker(redis_url: str, model: Any, worker_id: str = "w1", **settings: Any) -> AsyncIterator[Worker]:
-    """A real worker (engine and all) on `model` in this event loop, serving REAL_MODEL; live on entry."""
+    """A real worker (engine and all) on `model` in this event loop, serving REAL_MODEL; live on entry.
+    `redis_url` any of lmq's URLs (a cluster's too: its heartbeat is looked for in the home shard)."""
     config = WorkerConfig(
         **{
             "redis_url": redis_url,
@@ -146,7 +149,7 @@ async def real_worker(redis_url: str, model: Any, worker_id: str = "w1", **setti
             **settings,
         }
     )
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = connect(redis_url)
     worker = Worker(config, model, redis)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
@@ -154,7 +157,7 @@ async def real_worker(redis_url: str, model: Any, worker_id: str = "w1", **setti
     async def live() -> bool:
         if task.done():
             task.result()  # the worker failed to start: raise its error
-        return bool(await redis.exists(protocol.worker_key(worker_id)))
+        return bool(await redis.exists(shard_layout(redis_url).home.worker_key(worker_id)))
 
     try:
         await wait_for(live, what=f"worker {worker_id}'s heartbeat")

@@ -8,10 +8,7 @@ hash slot; so these tests run batches to their end and then look at where every 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
@@ -24,10 +21,7 @@ from lmq.redis_cluster import EmbeddedCluster
 from protocol.cluster_url import shard_layout
 from protocol.redis_client import connect
 from tests.support.batch_files import chat_line, file_lines, jsonl, openai_batch_end, poll, slow
-from tests.support.gateway_harness import REAL_MODEL, running_gateway
-from tests.support.worker_harness import stop_worker, wait_for
-from worker.config import WorkerConfig
-from worker.service import Worker
+from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
 
 
 @pytest.fixture(scope="module")
@@ -42,41 +36,9 @@ def cluster_url(cluster: EmbeddedCluster) -> str:
     return cluster.url
 
 
-@contextlib.asynccontextmanager
-async def cluster_worker(url: str, model: Any, **settings: Any) -> AsyncIterator[Worker]:
-    """A real worker on `model` serving REAL_MODEL through the cluster, live (its heartbeat written) on entry."""
-    config = WorkerConfig(
-        **{
-            "redis_url": url,
-            "model_name": REAL_MODEL,
-            "worker_id": "w1",
-            "kv_memory": "4MiB",
-            "max_seqs": 4,
-            **settings,
-        }
-    )
-    redis = connect(url)
-    stop = asyncio.Event()
-    task = asyncio.create_task(Worker(config, model, redis).run(stop))
-
-    async def live() -> bool:
-        if task.done():
-            task.result()
-        return bool(await redis.exists(shard_layout(url).home.worker_key(config.worker_id)))
-
-    try:
-        await wait_for(live, what="the worker's heartbeat")
-        yield
-    finally:
-        try:
-            await stop_worker(task, stop, config.grace_seconds)
-        finally:
-            await redis.aclose()
-
-
 @pytest.fixture
 async def url(cluster_url, tiny):
-    async with cluster_worker(cluster_url, tiny), running_gateway(cluster_url) as url:
+    async with real_worker(cluster_url, tiny), running_gateway(cluster_url) as url:
         yield url
 
 
@@ -144,7 +106,7 @@ async def test_cancelling_on_a_cluster_withdraws_runs_and_cancels_the_rest(clust
     refuses PUBLISH), and unstarted items are recorded by a pipelined script (a cluster pipeline
     does not load scripts)."""
     async with (
-        cluster_worker(cluster_url, slow(tiny, 0.05), max_seqs=2),
+        real_worker(cluster_url, slow(tiny, 0.05), max_seqs=2),
         running_gateway(cluster_url, batch_in_flight=4) as url,
     ):
         client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)

@@ -126,6 +126,31 @@ async def test_a_request_with_bad_params_errors_alone_and_the_others_run(url):
         assert named in found[custom_id].error.error.message
 
 
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+async def test_structured_output_is_answered_as_the_live_endpoint_answers(url):
+    """An item is the live request: `output_config` constrains it as it does live (it was ignored)."""
+    client = client_for(url)
+    request = params("Name a city.", 24, output_config={"format": {"type": "json_schema", "schema": CITY}})
+    batch = await client.messages.batches.create(requests=[{"custom_id": "city", "params": request}])
+    await ended(client, batch.id)
+    [result] = await results(client, batch.id)
+    live = await client.messages.create(
+        **{k: v for k, v in request.items() if k != "temperature"}, extra_body={"temperature": 0}
+    )
+    assert result.result.type == "succeeded", result
+    message = result.result.message
+    assert (message.stop_reason, message.content) == (live.stop_reason, live.content)
+    assert message.content[0].text.startswith('{"city"')  # constrained (the tiny model's random weights
+    # then spend the tokens on the blank space the grammar allows)
+
+
 async def test_cancelling_keeps_what_finished_and_cancels_the_rest(redis_url, tiny):
     async with (
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
