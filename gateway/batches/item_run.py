@@ -37,7 +37,6 @@ class ItemRun:
     reply_key: str
     request_id: str
     cursor: str = "0-0"  # the last reply stream entry read
-    texts: list[str] = field(default_factory=list)  # as the worker wrote them, thinking and all
     contents: list[str] = field(default_factory=list)  # the answer's text (a thinking model's thinking apart)
     thinking: Thinking = field(default_factory=Thinking)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
@@ -70,16 +69,10 @@ class ItemRun:
             return Ended("lost")
         self.tokens += len(token_ids)
         text = str(event.get("text", ""))
-        self.texts.append(text)
         self.contents.append(self.thinking.feed(text, len(token_ids)).content)
         if isinstance(event.get("logprobs"), list):
             self.logprobs += event["logprobs"]
         return None
-
-    @property
-    def text(self) -> str:
-        """The whole text as the worker wrote it (a thinking model's thinking in it, tags and all)."""
-        return "".join(self.texts)
 
     @property
     def answer(self) -> dict[str, Any]:

@@ -347,8 +347,7 @@ class Driver:
             }
             return base | {
                 "outcome": "succeeded",
-                "text": run.text,
-                "logprobs": run.logprobs,
+                **run.answer,
                 "done": finished,
                 "usage": event.get("usage") or {},
             }
