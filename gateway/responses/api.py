@@ -26,8 +26,9 @@ from ..auth import owner_of
 from ..context import Gateway, gateway_of
 from ..errors import ApiError, openai_error_body
 from ..generation import Delta, Generation, new_request
+from ..leased_drivers import LeasedDrivers
 from ..validate import read_json_object
-from .background import BackgroundRunner, withdraw
+from .background import withdraw
 from .builder import TERMINAL_EVENTS, ResponseBuilder
 from .conversation import input_messages, listed_items, output_messages
 from .params import ResponseParams, parse_count, parse_request
@@ -39,7 +40,7 @@ API = "responses"  # in metrics
 @dataclasses.dataclass
 class Responses:
     store: ResponseStore
-    runner: BackgroundRunner
+    runner: LeasedDrivers  # background.py's
 
 
 RESPONSES = web.AppKey("responses", Responses)

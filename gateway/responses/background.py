@@ -1,17 +1,18 @@
 """Background responses (`background: true`): run through the queue, driven by whichever gateway holds the lease.
 
 The POST stores the response (`queued`, its protocol request with a durable reply stream of its
-own: store.py) and enqueues it; every gateway runs a `BackgroundRunner`, and the one that holds a
-response's lease (`SET NX PX`, renewed each tick, as the batch runner's: gateway/batches/runner.py)
-drives it: it reads the worker's events from the reply stream, builds the stream events
-(builder.py) and appends them to the response's event stream, which GET ?stream=true follows,
-and writes the response object as it changes (`in_progress`, then the end), which GET polls.
+own: store.py) and enqueues it; every gateway runs a `background_runner`, and the one that holds
+a response's lease (gateway/leased_drivers.py, as for batches) drives it: it reads the worker's
+events from the reply stream, builds the stream events (builder.py) and appends them to the
+response's event stream, which GET ?stream=true follows, and writes the response object as it
+changes (`in_progress`, then the end), which GET polls.
 
 Nothing lives only in a driver's memory. A gateway that dies stops renewing its leases; another
-takes the response over after `LEASE_MS`, reads the reply stream from its start, and rebuilds the
-same events (their ids are made from the response's, builder.py), skipping those already written.
-A restarted gateway finds its own responses the same way. Enqueueing is one script (once, whoever
-asks), so a response dropped between its record and its XADD is enqueued by its next driver.
+takes the response over when its lease expires, reads the reply stream from its start, and
+rebuilds the same events (their ids are made from the response's, builder.py), skipping those
+already written. A restarted gateway finds its own responses the same way. Enqueueing is one
+script (once, whoever asks), so a response dropped between its record and its XADD is enqueued by
+its next driver.
 
 Cancelling sets a flag (store.py); the driver withdraws the entry (deleted if no worker read it,
 else cancelled with the token whose digest the request carries) and ends the response `cancelled`
@@ -21,20 +22,17 @@ that lost the entry) ends `failed`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
 from typing import Any
-
-from redis.exceptions import RedisError
 
 import protocol
 
 from ..context import Gateway
 from ..errors import ApiError
 from ..generation import Done, Usage
+from ..leased_drivers import Lease, LeasedDrivers
 from ..rate_limits import RateLimiter
 from ..reasoning import Thinking
 from ..token_order import token_gap
@@ -45,84 +43,30 @@ from .store import ResponseStore
 
 log = logging.getLogger(__name__)
 
-LEASE_MS = 6000
-SCAN_S = 1.0
 READ_BLOCK_MS = 500
 LATE_S = 30.0  # past its deadline by this much, a response no worker answers ends failed
 
 
-class BackgroundRunner:
-    def __init__(self, gateway: Gateway, store: ResponseStore, limiter: RateLimiter | None = None):
-        self.gateway = gateway
-        self.store = store
-        self.limiter = limiter  # the per-key limits, on a gateway with keys: a response's tokens count to its key
-        self.me = gateway.config.gateway_id
-        self._drivers: dict[str, asyncio.Task] = {}
-        self._wake = asyncio.Event()
-        self._stopping = False
+def background_runner(gateway: Gateway, store: ResponseStore, limiter: RateLimiter | None = None) -> LeasedDrivers:
+    """This gateway's runner: a `Driver` for each background response it holds the lease of
+    (gateway/leased_drivers.py); `limiter`: the per-key limits, on a gateway with keys (a response's
+    tokens count to its key)."""
 
-    def wake(self) -> None:
-        self._wake.set()
+    async def drive(lease: Lease) -> None:
+        await Driver(gateway, store, lease, limiter).run()
 
-    async def run(self) -> None:
-        """Until `stop`: a flag, not a cancellation, which redis-py may swallow (protocol/cancelling.py)."""
-        while not self._stopping:
-            await self._take()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), SCAN_S)
-            self._wake.clear()
-
-    async def stop(self, timeout: float = 10.0) -> None:
-        """Stop driving; each driver releases its lease, so another gateway takes over at once."""
-        self._stopping = True
-        self._wake.set()
-        drivers = list(self._drivers.values())
-        deadline = time.monotonic() + timeout
-        while (running := [task for task in drivers if not task.done()]) and time.monotonic() < deadline:
-            for task in running:
-                task.cancel()
-            await asyncio.wait(running, timeout=0.5)
-
-    async def _take(self) -> None:
-        for response_id, task in list(self._drivers.items()):
-            if task.done():
-                del self._drivers[response_id]
-                if not task.cancelled() and task.exception() is not None:
-                    log.error("driving response %s failed", response_id, exc_info=task.exception())
-        try:
-            for response_id in await self.store.active():
-                if self._stopping:
-                    return
-                if response_id not in self._drivers and await self.store.take_lease(response_id, self.me, LEASE_MS):
-                    self._drivers[response_id] = asyncio.create_task(
-                        self._drive(response_id), name=f"response-{response_id}"
-                    )
-        except RedisError as exc:
-            log.warning("could not look for background responses to drive: %s", exc)
-
-    async def _drive(self, response_id: str) -> None:
-        log.info("driving background response %s", response_id)
-        try:
-            await Driver(self.gateway, self.store, self.me, response_id, self.limiter).run()
-        except RedisError as exc:
-            log.warning("response %s: redis: %s; handing it back", response_id, exc)
-            await asyncio.sleep(1.0)
-        finally:
-            with contextlib.suppress(RedisError):
-                await asyncio.shield(self.store.release_lease(response_id, self.me))
+    return LeasedDrivers(store, gateway.config.gateway_id, drive, "background response")
 
 
 class Driver:
     """One background response, while this gateway holds its lease."""
 
-    def __init__(
-        self, gateway: Gateway, store: ResponseStore, me: str, response_id: str, limiter: RateLimiter | None = None
-    ):
+    def __init__(self, gateway: Gateway, store: ResponseStore, lease: Lease, limiter: RateLimiter | None = None):
         self.gateway = gateway
         self.limiter = limiter
         self.store = store
-        self.me = me
-        self.id = response_id
+        self.lease = lease
+        self.id = lease.job_id
         self.cursor = "0-0"  # the last reply stream entry read
         self.tokens = 0  # completion tokens taken (the offsets of deltas, as generation.py checks them)
         self.written = 0  # events already in the event stream
@@ -136,7 +80,7 @@ class Driver:
         builder = rebuild(self.id, record)
         self.written = await self.store.written(self.id)
         await self._emit(builder.start(queued=True))
-        while await self.store.renew_lease(self.id, self.me, LEASE_MS):
+        while await self.lease.renew():
             record = await self.store.record(self.id)
             if record is None:
                 await self._withdraw(None)
