@@ -14,6 +14,12 @@ already written. A restarted gateway finds its own responses the same way. Enque
 script (once, whoever asks), so a response dropped between its record and its XADD is enqueued by
 its next driver.
 
+On a gateway with API keys a response's entry takes a place in its key's share of the queue, as a
+live request's entries do (gateway/queue_share.py), from its XADD until a worker starts it. While
+the share is full the response waits, `queued`, out of the queue, and its driver tries again each
+tick: it is not refused, as a batch item waits for its key's budget rather than failing (what the
+live path refuses, a full queue for the model, the POST still refuses).
+
 Cancelling sets a flag (store.py); the driver withdraws the entry (deleted if no worker read it,
 else cancelled with the token whose digest the request carries) and ends the response `cancelled`
 with what it had written. A response that has not ended some time after its deadline (a Redis
@@ -71,12 +77,15 @@ class Driver:
         self.tokens = 0  # completion tokens taken (the offsets of deltas, as generation.py checks them)
         self.written = 0  # events already in the event stream
         self.thinking = Thinking()  # splits a thinking model's deltas, as generation.py does for a live request
+        self.owner = ""  # the digest of the key it belongs to
+        self.started = False  # a worker started it: its place in its key's queue share is free
 
     async def run(self) -> None:
         record = await self.store.record(self.id)
         if record is None or record.get("state") != "running":
             await self.store.forget(self.id)
             return
+        self.owner = record.get("owner", "")
         builder = rebuild(self.id, record)
         self.written = await self.store.written(self.id)
         await self._emit(builder.start(queued=True))
@@ -84,6 +93,7 @@ class Driver:
             record = await self.store.record(self.id)
             if record is None:
                 await self._withdraw(None)
+                await self._free_place()
                 return  # deleted
             if await self._tick(record, builder):
                 return
@@ -95,9 +105,10 @@ class Driver:
             builder.cancel()
             await self._end(record, builder)
             return True
-        stream = self.store.home.request_stream(record["model"])
         if "entry" not in record:
-            await self.store.enqueue(self.id, stream)
+            await enqueue(self.gateway, self.store, self.id, record)
+        elif not self.started and self.gateway.queue.share is not None:
+            await self.gateway.queue.share.hold_owner(self.owner, self.id)  # it may wait past a pickup timeout
         if time.time() > float(record["deadline"]) + LATE_S:
             error = ApiError(504, "the response did not finish before its deadline")
             return await self._ended(record, builder, builder.fail(error))
@@ -117,6 +128,8 @@ class Driver:
                 await self._emit(events)
                 if event.get("type") == "started":
                     await self.store.save(self.id, {"response": builder.response()})
+                    self.started = True
+                    await self._free_place()
         return False
 
     def _fold(self, builder: ResponseBuilder, event: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
@@ -166,6 +179,7 @@ class Driver:
     async def _end(self, record: dict[str, str], builder: ResponseBuilder) -> None:
         history = json.loads(record.get("history") or "[]") + output_messages(builder.output)
         await self.store.end(self.id, {"state": builder.status, "response": builder.response(), "history": history})
+        await self._free_place()
         if self.limiter is not None and builder.usage is not None:  # after the end: charged at most once
             await self.limiter.charge_owner(record.get("owner", ""), builder.usage["total_tokens"])
         self._count(record["model"], builder)
@@ -192,6 +206,19 @@ class Driver:
 
     async def _withdraw(self, record: dict[str, str] | None) -> None:
         await withdraw(self.store, self.id, record)
+
+    async def _free_place(self) -> None:
+        if self.gateway.queue.share is not None:
+            await self.gateway.queue.share.release_owner(self.owner, self.id)
+
+
+async def enqueue(gateway: Gateway, store: ResponseStore, response_id: str, record: dict[str, Any]) -> None:
+    """Put a queued background response's request in the queue, once its key's share of the queue has
+    a place for it; while the share is full it stays out, and its driver asks again next tick."""
+    share = gateway.queue.share
+    if share is not None and not await share.claim_owner(record.get("owner", ""), response_id):
+        return
+    await store.enqueue(response_id, store.home.request_stream(record["model"]))
 
 
 async def withdraw(store: ResponseStore, response_id: str, record: dict[str, str] | None) -> None:
