@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..auth import load_api_keys
 from ..context import GATEWAY
-from ..rate_limits import RateLimiter, load_limits
 from . import anthropic_api, files, openai_api
 from .runner import batch_runner
 from .service import BATCHES, Batches
@@ -23,12 +21,7 @@ def add_batch_routes(app: web.Application) -> None:
     """The batch endpoints, and the runner for the application's lifetime (needs `app[GATEWAY]`)."""
     gateway = app[GATEWAY]
     store = BatchStore(gateway.redis, gateway.shards.home)
-    limiter = (
-        RateLimiter(gateway.redis, load_limits(gateway.config), gateway.metrics)
-        if load_api_keys(gateway.config)
-        else None
-    )
-    app[BATCHES] = Batches(gateway, store, batch_runner(gateway, store, limiter))
+    app[BATCHES] = Batches(gateway, store, batch_runner(gateway, store))
     app.cleanup_ctx.append(app[BATCHES].runner.lifetime)  # stopping it hands this gateway's batches back
     router = app.router
     router.add_post("/v1/files", files.upload)

@@ -53,7 +53,6 @@ import protocol
 from ..context import Gateway
 from ..errors import ApiError
 from ..leased_drivers import Lease, LeasedDrivers
-from ..rate_limits import RateLimiter
 from . import items, outputs
 from .item_run import Ended, ItemRun
 from .store import Batch, BatchStore, Run
@@ -66,12 +65,11 @@ MAX_ATTEMPTS = 3
 DEFAULT_RESERVE = 16  # tokens an item without max_tokens is assumed to take, when a token limit sizes the window
 
 
-def batch_runner(gateway: Gateway, store: BatchStore, limiter: RateLimiter | None = None) -> LeasedDrivers:
-    """This gateway's runner: a `Driver` for each batch it holds the lease of (gateway/leased_drivers.py);
-    `limiter`: the per-key limits, on a gateway with keys."""
+def batch_runner(gateway: Gateway, store: BatchStore) -> LeasedDrivers:
+    """This gateway's runner: a `Driver` for each batch it holds the lease of (gateway/leased_drivers.py)."""
 
     async def drive(lease: Lease) -> None:
-        await Driver(gateway, store, lease, limiter).run()
+        await Driver(gateway, store, lease).run()
 
     return LeasedDrivers(store, gateway.config.gateway_id, drive, "batch")
 
@@ -79,13 +77,13 @@ def batch_runner(gateway: Gateway, store: BatchStore, limiter: RateLimiter | Non
 class Driver:
     """One batch, while this gateway holds its lease."""
 
-    def __init__(self, gateway: Gateway, store: BatchStore, lease: Lease, limiter: RateLimiter | None = None):
+    def __init__(self, gateway: Gateway, store: BatchStore, lease: Lease):
         self.gateway = gateway
         self.store = store
         self.lease = lease
         self.me = lease.holder
         self.batch_id = lease.job_id
-        self.limiter = limiter
+        self.limiter = gateway.limiter  # the per-key limits, on a gateway with keys
         self.runs: dict[int, ItemRun] = {}
         self.reserved: dict[int, int] = {}  # item index -> the tokens it may take (its max_tokens), while in flight
         self._tokens_left: int | None = None  # the owner's tokens left in its window, as last admitted

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..auth import load_api_keys
 from ..context import GATEWAY
-from ..rate_limits import RateLimiter, load_limits
 from . import api
 from .background import background_runner
 from .store import ResponseStore
@@ -22,12 +20,7 @@ def add_response_routes(app: web.Application) -> None:
     """The endpoints, and the background runner for the application's lifetime (needs `app[GATEWAY]`)."""
     gateway = app[GATEWAY]
     store = ResponseStore(gateway.redis, gateway.shards.home, int(gateway.config.response_ttl))
-    limiter = (
-        RateLimiter(gateway.redis, load_limits(gateway.config), gateway.metrics)
-        if load_api_keys(gateway.config)
-        else None
-    )
-    app[api.RESPONSES] = api.Responses(store, background_runner(gateway, store, limiter))
+    app[api.RESPONSES] = api.Responses(store, background_runner(gateway, store))
     app.cleanup_ctx.append(app[api.RESPONSES].runner.lifetime)
     router = app.router
     router.add_post("/v1/responses", api.create)

@@ -39,7 +39,6 @@ from ..context import Gateway
 from ..errors import ApiError
 from ..generation import Done, Usage
 from ..leased_drivers import Lease, LeasedDrivers
-from ..rate_limits import RateLimiter
 from ..reasoning import Thinking
 from ..token_order import token_gap
 from ..tool_calls import ToolPlan
@@ -53,13 +52,12 @@ READ_BLOCK_MS = 500
 LATE_S = 30.0  # past its deadline by this much, a response no worker answers ends failed
 
 
-def background_runner(gateway: Gateway, store: ResponseStore, limiter: RateLimiter | None = None) -> LeasedDrivers:
+def background_runner(gateway: Gateway, store: ResponseStore) -> LeasedDrivers:
     """This gateway's runner: a `Driver` for each background response it holds the lease of
-    (gateway/leased_drivers.py); `limiter`: the per-key limits, on a gateway with keys (a response's
-    tokens count to its key)."""
+    (gateway/leased_drivers.py)."""
 
     async def drive(lease: Lease) -> None:
-        await Driver(gateway, store, lease, limiter).run()
+        await Driver(gateway, store, lease).run()
 
     return LeasedDrivers(store, gateway.config.gateway_id, drive, "background response")
 
@@ -67,9 +65,9 @@ def background_runner(gateway: Gateway, store: ResponseStore, limiter: RateLimit
 class Driver:
     """One background response, while this gateway holds its lease."""
 
-    def __init__(self, gateway: Gateway, store: ResponseStore, lease: Lease, limiter: RateLimiter | None = None):
+    def __init__(self, gateway: Gateway, store: ResponseStore, lease: Lease):
         self.gateway = gateway
-        self.limiter = limiter
+        self.limiter = gateway.limiter  # on a gateway with keys: a response's tokens count to its key
         self.store = store
         self.lease = lease
         self.id = lease.job_id
