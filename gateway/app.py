@@ -77,14 +77,16 @@ def create_app(config: GatewayConfig) -> web.Application:
     shards = shard_layout(config.redis_url)
     keys = load_api_keys(config)
     share = QueueShare(redis, config.max_queue_per_key, config.pickup_timeout, config.retry_after) if keys else None
+    metrics = Metrics()
     gateway = Gateway(
         config=config,
         redis=redis,
         replies=reply_router(redis, shards, config.gateway_id),
         queue=RequestQueue(redis, shards, config.max_queue, config.retry_after, share),
         models=ModelRegistry(redis, shards.home),
-        metrics=Metrics(),
+        metrics=metrics,
         shards=shards,
+        limiter=RateLimiter(redis, load_limits(config), metrics) if keys else None,
     )
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -102,7 +104,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     setup_cors(app, config.allowed_origins)
     if keys:  # limits are per API key
         setup_queue_share(app)
-        setup_rate_limits(app, RateLimiter(redis, load_limits(config), gateway.metrics))
+        setup_rate_limits(app, gateway.limiter)
     app.cleanup_ctx.append(_subscribed)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/v1/completions", openai.completions)

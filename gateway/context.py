@@ -12,6 +12,7 @@ from protocol.keys import ShardLayout
 from .config import GatewayConfig
 from .metrics import Metrics
 from .queue import RequestQueue
+from .rate_limits import RateLimiter
 from .replies import ReplyRouter
 from .workers import ModelRegistry
 
@@ -25,6 +26,7 @@ class Gateway:
     models: ModelRegistry
     metrics: Metrics
     shards: ShardLayout  # where keys live: one untagged shard, or K on a Redis Cluster (protocol/keys.py)
+    limiter: RateLimiter | None = None  # the per-key limits, on a gateway with keys (rate_limits.py)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

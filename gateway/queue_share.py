@@ -8,6 +8,12 @@ picks it up (its first event) or the gateway withdraws it; a key whose share is 
 with Retry-After in its API's shape (OpenAI `rate_limit_exceeded`, Anthropic `rate_limit_error`),
 and other keys' entries still go in.
 
+A background response's entry takes a place too (gateway/responses/background.py), claimed for the
+key that owns it (`claim_owner`: by the key's digest, as batch items are admitted by it) before its
+XADD. A full share does not refuse it: it waits, queued, and its driver claims again each tick, as a
+batch item waits for its key's budget. Its entry may wait longer than a pickup timeout (until its
+deadline), so its driver renews the claim (`hold_owner`) until a worker picks it up.
+
 The share is counted in Redis, so every gateway sees one count: a sorted set per key
 (`lmq:ratelimit:{<digest>}:queued`) of the entries' request ids, scored with when the claim
 expires. One Lua script prunes expired claims, counts and claims, so two gateways cannot both take
@@ -46,6 +52,15 @@ redis.call('PEXPIRE', KEYS[1], ttl)
 return waiting
 """
 
+# KEYS = [the key's sorted set]; ARGV = [request id, now ms, claim ms]: a claim still held expires later
+# (a released one is not claimed again).
+HOLD_LUA = r"""
+if redis.call('ZADD', KEYS[1], 'XX', 'CH', tonumber(ARGV[2]) + tonumber(ARGV[3]), ARGV[1]) == 1 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return 0
+"""
+
 _key: ContextVar[str | None] = ContextVar("lmq_queue_share_key", default=None)
 
 
@@ -56,6 +71,7 @@ class QueueShare:
         self.claim_ms = max(1000, int(claim_seconds * 1000))
         self.retry_after = retry_after
         self._claim = redis.register_script(CLAIM_LUA)
+        self._hold = redis.register_script(HOLD_LUA)
 
     async def claim(self, request_id: str) -> str | None:
         """Claim a place for one entry of the current API key; returns the set to release it from
@@ -64,8 +80,7 @@ class QueueShare:
         if key is None or self.share <= 0:
             return None
         name = rate_limit_key(_digest(key), "queued")
-        waiting = await self._claim(keys=[name], args=[request_id, int(time.time() * 1000), self.claim_ms, self.share])
-        if int(waiting) < 0:
+        if not await self._claimed(name, request_id):
             raise ApiError(
                 429,
                 f"this API key has {self.share} requests waiting in the queue, its share; retry when some have started",
@@ -74,6 +89,10 @@ class QueueShare:
             )
         return name
 
+    async def _claimed(self, name: str, request_id: str) -> bool:
+        waiting = await self._claim(keys=[name], args=[request_id, int(time.time() * 1000), self.claim_ms, self.share])
+        return int(waiting) >= 0
+
     async def release(self, name: str | None, request_id: str) -> None:
         if name is None:
             return
@@ -81,6 +100,22 @@ class QueueShare:
             await self.redis.zrem(name, request_id)
         except RedisError as exc:  # the claim expires by itself
             log.warning("could not release %s's place in its key's queue share: %s", request_id, exc)
+
+    # Background responses: owned by a key's digest (gateway/auth.py's key_digest), no key presented.
+
+    async def claim_owner(self, owner: str, request_id: str) -> bool:
+        """Claim a place for an entry of the key whose digest is `owner`; False while its share is full."""
+        return not owner or self.share <= 0 or await self._claimed(rate_limit_key(owner, "queued"), request_id)
+
+    async def hold_owner(self, owner: str, request_id: str) -> None:
+        """The claim of an entry still waiting expires a claim's time from now."""
+        if owner and self.share > 0:
+            args = [request_id, int(time.time() * 1000), self.claim_ms]
+            await self._hold(keys=[rate_limit_key(owner, "queued")], args=args)
+
+    async def release_owner(self, owner: str, request_id: str) -> None:
+        if owner:
+            await self.release(rate_limit_key(owner, "queued"), request_id)
 
 
 def setup_queue_share(app: web.Application) -> None:

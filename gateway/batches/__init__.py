@@ -8,16 +8,11 @@ lease on, so a batch survives gateway and worker restarts and continues where it
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 from aiohttp import web
 
-from ..auth import load_api_keys
 from ..context import GATEWAY
-from ..rate_limits import RateLimiter, load_limits
 from . import anthropic_api, files, openai_api
-from .runner import SCAN_S, BatchRunner
+from .runner import batch_runner
 from .service import BATCHES, Batches
 from .store import BatchStore
 
@@ -26,13 +21,8 @@ def add_batch_routes(app: web.Application) -> None:
     """The batch endpoints, and the runner for the application's lifetime (needs `app[GATEWAY]`)."""
     gateway = app[GATEWAY]
     store = BatchStore(gateway.redis, gateway.shards.home)
-    limiter = (
-        RateLimiter(gateway.redis, load_limits(gateway.config), gateway.metrics)
-        if load_api_keys(gateway.config)
-        else None
-    )
-    app[BATCHES] = Batches(gateway, store, BatchRunner(gateway, store, limiter))
-    app.cleanup_ctx.append(_running)
+    app[BATCHES] = Batches(gateway, store, batch_runner(gateway, store))
+    app.cleanup_ctx.append(app[BATCHES].runner.lifetime)  # stopping it hands this gateway's batches back
     router = app.router
     router.add_post("/v1/files", files.upload)
     router.add_get("/v1/files", files.list_files)
@@ -49,14 +39,3 @@ def add_batch_routes(app: web.Application) -> None:
     router.add_delete("/v1/messages/batches/{batch_id}", anthropic_api.delete)
     router.add_post("/v1/messages/batches/{batch_id}/cancel", anthropic_api.cancel)
     router.add_get("/v1/messages/batches/{batch_id}/results", anthropic_api.results)
-
-
-async def _running(app: web.Application) -> AsyncIterator[None]:
-    """The runner from start-up to shutdown; stopping it hands this gateway's batches back (leases released)."""
-    runner = app[BATCHES].runner
-    task = asyncio.create_task(runner.run(), name="batch-runner")
-    yield
-    await runner.stop()
-    await asyncio.wait([task], timeout=SCAN_S + 5)
-    if not task.done():
-        task.cancel()

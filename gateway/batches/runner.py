@@ -1,8 +1,8 @@
 """The batch runner: every gateway runs one; each active batch is driven by exactly one gateway at a time.
 
-A gateway drives a batch while it holds the batch's lease (`SET NX PX`, renewed every tick, about
-twice a second); a gateway that dies stops renewing, and after `LEASE_MS` another one takes the
-batch over and continues from what Redis holds: which item is next, which runs are in flight (an
+A gateway drives a batch while it holds the batch's lease (gateway/leased_drivers.py: renewed every
+tick, about twice a second); a gateway that dies stops renewing, and after `LEASE_MS` another one
+takes the batch over and continues from what Redis holds: which item is next, which runs are in flight (an
 entry in a request stream each, with a durable reply stream of its own), which outcomes are
 written. Nothing lives only in a driver's memory: what it folds from a run's events it reads again
 from the reply stream after a takeover.
@@ -44,104 +44,46 @@ key when its outcome is written. So a key overshoots by what its in-flight items
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
-
-from redis.exceptions import RedisError
 
 import protocol
 
 from ..context import Gateway
 from ..errors import ApiError
-from ..rate_limits import RateLimiter
+from ..leased_drivers import Lease, LeasedDrivers
 from . import items, outputs
 from .item_run import Ended, ItemRun
 from .store import Batch, BatchStore, Run
 
 log = logging.getLogger(__name__)
 
-LEASE_MS = 6000
-SCAN_S = 1.0  # how often a gateway looks for batches nobody drives
 READ_BLOCK_MS = 500
 LOST_CHECK_S = 5.0  # a run silent this long is checked for a vanished entry
 MAX_ATTEMPTS = 3
-RETRY_S = 1.0
 DEFAULT_RESERVE = 16  # tokens an item without max_tokens is assumed to take, when a token limit sizes the window
 
 
-class BatchRunner:
-    def __init__(self, gateway: Gateway, store: BatchStore, limiter: RateLimiter | None = None):
-        self.gateway = gateway
-        self.store = store
-        self.limiter = limiter  # the per-key limits, on a gateway with keys
-        self.me = gateway.config.gateway_id
-        self._drivers: dict[str, asyncio.Task] = {}
-        self._wake = asyncio.Event()
-        self._stopping = False
+def batch_runner(gateway: Gateway, store: BatchStore) -> LeasedDrivers:
+    """This gateway's runner: a `Driver` for each batch it holds the lease of (gateway/leased_drivers.py)."""
 
-    def wake(self) -> None:
-        """A batch was created here: look for work now, not at the next scan."""
-        self._wake.set()
+    async def drive(lease: Lease) -> None:
+        await Driver(gateway, store, lease).run()
 
-    async def run(self) -> None:
-        """Until `stop`: a flag, not a cancellation, which redis-py may swallow (protocol/cancelling.py)."""
-        while not self._stopping:
-            await self._take_batches()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), SCAN_S)
-            self._wake.clear()
-
-    async def stop(self, timeout: float = 10.0) -> None:
-        """Stop driving: every driver ends its tick and releases its lease, so another gateway takes over at once."""
-        self._stopping = True
-        self._wake.set()
-        drivers = list(self._drivers.values())
-        for driver in drivers:
-            driver.cancel()
-        deadline = time.monotonic() + timeout
-        while (running := [task for task in drivers if not task.done()]) and time.monotonic() < deadline:
-            for task in running:
-                task.cancel()  # again: a cancellation can be lost
-            await asyncio.wait(running, timeout=0.5)
-
-    async def _take_batches(self) -> None:
-        for batch_id, task in list(self._drivers.items()):
-            if task.done():
-                del self._drivers[batch_id]
-                if not task.cancelled() and task.exception() is not None:
-                    log.error("driving batch %s failed", batch_id, exc_info=task.exception())
-        try:
-            for batch_id in await self.store.active():
-                if self._stopping:
-                    return
-                if batch_id not in self._drivers and await self.store.take_lease(batch_id, self.me, LEASE_MS):
-                    self._drivers[batch_id] = asyncio.create_task(self._drive(batch_id), name=f"batch-{batch_id}")
-        except RedisError as exc:
-            log.warning("could not look for batches to drive: %s", exc)
-
-    async def _drive(self, batch_id: str) -> None:
-        log.info("driving batch %s", batch_id)
-        try:
-            await Driver(self.gateway, self.store, self.me, batch_id, self.limiter).run()
-        except RedisError as exc:
-            log.warning("batch %s: redis: %s; handing it back", batch_id, exc)
-            await asyncio.sleep(RETRY_S)
-        finally:
-            with contextlib.suppress(RedisError):
-                await asyncio.shield(self.store.release_lease(batch_id, self.me))
+    return LeasedDrivers(store, gateway.config.gateway_id, drive, "batch")
 
 
 class Driver:
     """One batch, while this gateway holds its lease."""
 
-    def __init__(self, gateway: Gateway, store: BatchStore, me: str, batch_id: str, limiter: RateLimiter | None = None):
+    def __init__(self, gateway: Gateway, store: BatchStore, lease: Lease):
         self.gateway = gateway
         self.store = store
-        self.me = me
-        self.batch_id = batch_id
-        self.limiter = limiter
+        self.lease = lease
+        self.me = lease.holder
+        self.batch_id = lease.job_id
+        self.limiter = gateway.limiter  # the per-key limits, on a gateway with keys
         self.runs: dict[int, ItemRun] = {}
         self.reserved: dict[int, int] = {}  # item index -> the tokens it may take (its max_tokens), while in flight
         self._tokens_left: int | None = None  # the owner's tokens left in its window, as last admitted
@@ -150,7 +92,7 @@ class Driver:
     async def run(self) -> None:
         for index, run in (await self.store.runs(self.batch_id)).items():
             self.runs[index] = self._item_run(index, run)
-        while await self.store.renew_lease(self.batch_id, self.me, LEASE_MS):
+        while await self.lease.renew():
             batch = await self.store.batch(self.batch_id)
             if batch is None:
                 return  # deleted

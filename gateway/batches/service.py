@@ -11,7 +11,7 @@ from aiohttp import web
 from ..auth import owner_of
 from ..context import Gateway, gateway_of
 from ..errors import ApiError
-from .runner import BatchRunner
+from ..leased_drivers import LeasedDrivers
 from .store import BatchStore
 
 MAX_REPORTED_ERRORS = 20  # line errors named in one answer
@@ -21,7 +21,7 @@ MAX_REPORTED_ERRORS = 20  # line errors named in one answer
 class Batches:
     gateway: Gateway
     store: BatchStore
-    runner: BatchRunner
+    runner: LeasedDrivers  # runner.py's
 
 
 BATCHES = web.AppKey("batches", Batches)

@@ -8,16 +8,11 @@ responses on whichever gateway holds their lease; api.py has the handlers.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 from aiohttp import web
 
-from ..auth import load_api_keys
 from ..context import GATEWAY
-from ..rate_limits import RateLimiter, load_limits
 from . import api
-from .background import SCAN_S, BackgroundRunner
+from .background import background_runner
 from .store import ResponseStore
 
 
@@ -25,13 +20,8 @@ def add_response_routes(app: web.Application) -> None:
     """The endpoints, and the background runner for the application's lifetime (needs `app[GATEWAY]`)."""
     gateway = app[GATEWAY]
     store = ResponseStore(gateway.redis, gateway.shards.home, int(gateway.config.response_ttl))
-    limiter = (
-        RateLimiter(gateway.redis, load_limits(gateway.config), gateway.metrics)
-        if load_api_keys(gateway.config)
-        else None
-    )
-    app[api.RESPONSES] = api.Responses(store, BackgroundRunner(gateway, store, limiter))
-    app.cleanup_ctx.append(_running)
+    app[api.RESPONSES] = api.Responses(store, background_runner(gateway, store))
+    app.cleanup_ctx.append(app[api.RESPONSES].runner.lifetime)
     router = app.router
     router.add_post("/v1/responses", api.create)
     router.add_post("/v1/responses/input_tokens", api.input_tokens)
@@ -39,13 +29,3 @@ def add_response_routes(app: web.Application) -> None:
     router.add_delete("/v1/responses/{response_id}", api.delete)
     router.add_get("/v1/responses/{response_id}/input_items", api.input_items)
     router.add_post("/v1/responses/{response_id}/cancel", api.cancel)
-
-
-async def _running(app: web.Application) -> AsyncIterator[None]:
-    runner = app[api.RESPONSES].runner
-    task = asyncio.create_task(runner.run(), name="response-runner")
-    yield
-    await runner.stop()
-    await asyncio.wait([task], timeout=SCAN_S + 5)
-    if not task.done():
-        task.cancel()

@@ -26,8 +26,9 @@ from ..auth import owner_of
 from ..context import Gateway, gateway_of
 from ..errors import ApiError, openai_error_body
 from ..generation import Delta, Generation, new_request
+from ..leased_drivers import LeasedDrivers
 from ..validate import read_json_object
-from .background import BackgroundRunner, withdraw
+from .background import enqueue, withdraw
 from .builder import TERMINAL_EVENTS, ResponseBuilder
 from .conversation import input_messages, listed_items, output_messages
 from .params import ResponseParams, parse_count, parse_request
@@ -39,7 +40,7 @@ API = "responses"  # in metrics
 @dataclasses.dataclass
 class Responses:
     store: ResponseStore
-    runner: BackgroundRunner
+    runner: LeasedDrivers  # background.py's
 
 
 RESPONSES = web.AppKey("responses", Responses)
@@ -168,7 +169,8 @@ async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
 
 async def _start_background(gateway: Gateway, responses: Responses, work: protocol.Request, turn: Turn) -> None:
     """Store the queued response with its request (events to a durable reply stream), enqueue it,
-    and wake this gateway's runner to drive it."""
+    and wake this gateway's runner to drive it. A full queue for the model is a 429, as for a live
+    request; a full share of it for the key is not: the response waits for a place (background.py)."""
     if await gateway.queue.waiting(work.model) >= gateway.config.max_queue:
         raise ApiError(
             429,
@@ -191,7 +193,7 @@ async def _start_background(gateway: Gateway, responses: Responses, work: protoc
         "logprobs": turn.params.logprobs,
     }  # fmt: skip
     await store.save(builder.id, record, active=True)
-    await store.enqueue(builder.id, store.home.request_stream(work.model))
+    await enqueue(gateway, store, builder.id, record)  # or, its key's queue share full, by its driver later
     responses.runner.wake()
 
 

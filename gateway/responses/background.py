@@ -1,17 +1,24 @@
 """Background responses (`background: true`): run through the queue, driven by whichever gateway holds the lease.
 
 The POST stores the response (`queued`, its protocol request with a durable reply stream of its
-own: store.py) and enqueues it; every gateway runs a `BackgroundRunner`, and the one that holds a
-response's lease (`SET NX PX`, renewed each tick, as the batch runner's: gateway/batches/runner.py)
-drives it: it reads the worker's events from the reply stream, builds the stream events
-(builder.py) and appends them to the response's event stream, which GET ?stream=true follows,
-and writes the response object as it changes (`in_progress`, then the end), which GET polls.
+own: store.py) and enqueues it; every gateway runs a `background_runner`, and the one that holds
+a response's lease (gateway/leased_drivers.py, as for batches) drives it: it reads the worker's
+events from the reply stream, builds the stream events (builder.py) and appends them to the
+response's event stream, which GET ?stream=true follows, and writes the response object as it
+changes (`in_progress`, then the end), which GET polls.
 
 Nothing lives only in a driver's memory. A gateway that dies stops renewing its leases; another
-takes the response over after `LEASE_MS`, reads the reply stream from its start, and rebuilds the
-same events (their ids are made from the response's, builder.py), skipping those already written.
-A restarted gateway finds its own responses the same way. Enqueueing is one script (once, whoever
-asks), so a response dropped between its record and its XADD is enqueued by its next driver.
+takes the response over when its lease expires, reads the reply stream from its start, and
+rebuilds the same events (their ids are made from the response's, builder.py), skipping those
+already written. A restarted gateway finds its own responses the same way. Enqueueing is one
+script (once, whoever asks), so a response dropped between its record and its XADD is enqueued by
+its next driver.
+
+On a gateway with API keys a response's entry takes a place in its key's share of the queue, as a
+live request's entries do (gateway/queue_share.py), from its XADD until a worker starts it. While
+the share is full the response waits, `queued`, out of the queue, and its driver tries again each
+tick: it is not refused, as a batch item waits for its key's budget rather than failing (what the
+live path refuses, a full queue for the model, the POST still refuses).
 
 Cancelling sets a flag (store.py); the driver withdraws the entry (deleted if no worker read it,
 else cancelled with the token whose digest the request carries) and ends the response `cancelled`
@@ -21,21 +28,17 @@ that lost the entry) ends `failed`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
 from typing import Any
-
-from redis.exceptions import RedisError
 
 import protocol
 
 from ..context import Gateway
 from ..errors import ApiError
 from ..generation import Done, Usage
-from ..rate_limits import RateLimiter
+from ..leased_drivers import Lease, LeasedDrivers
 from ..reasoning import Thinking
 from ..token_order import token_gap
 from ..tool_calls import ToolPlan
@@ -45,101 +48,50 @@ from .store import ResponseStore
 
 log = logging.getLogger(__name__)
 
-LEASE_MS = 6000
-SCAN_S = 1.0
 READ_BLOCK_MS = 500
 LATE_S = 30.0  # past its deadline by this much, a response no worker answers ends failed
 
 
-class BackgroundRunner:
-    def __init__(self, gateway: Gateway, store: ResponseStore, limiter: RateLimiter | None = None):
-        self.gateway = gateway
-        self.store = store
-        self.limiter = limiter  # the per-key limits, on a gateway with keys: a response's tokens count to its key
-        self.me = gateway.config.gateway_id
-        self._drivers: dict[str, asyncio.Task] = {}
-        self._wake = asyncio.Event()
-        self._stopping = False
+def background_runner(gateway: Gateway, store: ResponseStore) -> LeasedDrivers:
+    """This gateway's runner: a `Driver` for each background response it holds the lease of
+    (gateway/leased_drivers.py)."""
 
-    def wake(self) -> None:
-        self._wake.set()
+    async def drive(lease: Lease) -> None:
+        await Driver(gateway, store, lease).run()
 
-    async def run(self) -> None:
-        """Until `stop`: a flag, not a cancellation, which redis-py may swallow (protocol/cancelling.py)."""
-        while not self._stopping:
-            await self._take()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), SCAN_S)
-            self._wake.clear()
-
-    async def stop(self, timeout: float = 10.0) -> None:
-        """Stop driving; each driver releases its lease, so another gateway takes over at once."""
-        self._stopping = True
-        self._wake.set()
-        drivers = list(self._drivers.values())
-        deadline = time.monotonic() + timeout
-        while (running := [task for task in drivers if not task.done()]) and time.monotonic() < deadline:
-            for task in running:
-                task.cancel()
-            await asyncio.wait(running, timeout=0.5)
-
-    async def _take(self) -> None:
-        for response_id, task in list(self._drivers.items()):
-            if task.done():
-                del self._drivers[response_id]
-                if not task.cancelled() and task.exception() is not None:
-                    log.error("driving response %s failed", response_id, exc_info=task.exception())
-        try:
-            for response_id in await self.store.active():
-                if self._stopping:
-                    return
-                if response_id not in self._drivers and await self.store.take_lease(response_id, self.me, LEASE_MS):
-                    self._drivers[response_id] = asyncio.create_task(
-                        self._drive(response_id), name=f"response-{response_id}"
-                    )
-        except RedisError as exc:
-            log.warning("could not look for background responses to drive: %s", exc)
-
-    async def _drive(self, response_id: str) -> None:
-        log.info("driving background response %s", response_id)
-        try:
-            await Driver(self.gateway, self.store, self.me, response_id, self.limiter).run()
-        except RedisError as exc:
-            log.warning("response %s: redis: %s; handing it back", response_id, exc)
-            await asyncio.sleep(1.0)
-        finally:
-            with contextlib.suppress(RedisError):
-                await asyncio.shield(self.store.release_lease(response_id, self.me))
+    return LeasedDrivers(store, gateway.config.gateway_id, drive, "background response")
 
 
 class Driver:
     """One background response, while this gateway holds its lease."""
 
-    def __init__(
-        self, gateway: Gateway, store: ResponseStore, me: str, response_id: str, limiter: RateLimiter | None = None
-    ):
+    def __init__(self, gateway: Gateway, store: ResponseStore, lease: Lease):
         self.gateway = gateway
-        self.limiter = limiter
+        self.limiter = gateway.limiter  # on a gateway with keys: a response's tokens count to its key
         self.store = store
-        self.me = me
-        self.id = response_id
+        self.lease = lease
+        self.id = lease.job_id
         self.cursor = "0-0"  # the last reply stream entry read
         self.tokens = 0  # completion tokens taken (the offsets of deltas, as generation.py checks them)
         self.written = 0  # events already in the event stream
         self.thinking = Thinking()  # splits a thinking model's deltas, as generation.py does for a live request
+        self.owner = ""  # the digest of the key it belongs to
+        self.started = False  # a worker started it: its place in its key's queue share is free
 
     async def run(self) -> None:
         record = await self.store.record(self.id)
         if record is None or record.get("state") != "running":
             await self.store.forget(self.id)
             return
+        self.owner = record.get("owner", "")
         builder = rebuild(self.id, record)
         self.written = await self.store.written(self.id)
         await self._emit(builder.start(queued=True))
-        while await self.store.renew_lease(self.id, self.me, LEASE_MS):
+        while await self.lease.renew():
             record = await self.store.record(self.id)
             if record is None:
                 await self._withdraw(None)
+                await self._free_place()
                 return  # deleted
             if await self._tick(record, builder):
                 return
@@ -151,9 +103,10 @@ class Driver:
             builder.cancel()
             await self._end(record, builder)
             return True
-        stream = self.store.home.request_stream(record["model"])
         if "entry" not in record:
-            await self.store.enqueue(self.id, stream)
+            await enqueue(self.gateway, self.store, self.id, record)
+        elif not self.started and self.gateway.queue.share is not None:
+            await self.gateway.queue.share.hold_owner(self.owner, self.id)  # it may wait past a pickup timeout
         if time.time() > float(record["deadline"]) + LATE_S:
             error = ApiError(504, "the response did not finish before its deadline")
             return await self._ended(record, builder, builder.fail(error))
@@ -173,6 +126,8 @@ class Driver:
                 await self._emit(events)
                 if event.get("type") == "started":
                     await self.store.save(self.id, {"response": builder.response()})
+                    self.started = True
+                    await self._free_place()
         return False
 
     def _fold(self, builder: ResponseBuilder, event: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
@@ -222,6 +177,7 @@ class Driver:
     async def _end(self, record: dict[str, str], builder: ResponseBuilder) -> None:
         history = json.loads(record.get("history") or "[]") + output_messages(builder.output)
         await self.store.end(self.id, {"state": builder.status, "response": builder.response(), "history": history})
+        await self._free_place()
         if self.limiter is not None and builder.usage is not None:  # after the end: charged at most once
             await self.limiter.charge_owner(record.get("owner", ""), builder.usage["total_tokens"])
         self._count(record["model"], builder)
@@ -248,6 +204,19 @@ class Driver:
 
     async def _withdraw(self, record: dict[str, str] | None) -> None:
         await withdraw(self.store, self.id, record)
+
+    async def _free_place(self) -> None:
+        if self.gateway.queue.share is not None:
+            await self.gateway.queue.share.release_owner(self.owner, self.id)
+
+
+async def enqueue(gateway: Gateway, store: ResponseStore, response_id: str, record: dict[str, Any]) -> None:
+    """Put a queued background response's request in the queue, once its key's share of the queue has
+    a place for it; while the share is full it stays out, and its driver asks again next tick."""
+    share = gateway.queue.share
+    if share is not None and not await share.claim_owner(record.get("owner", ""), response_id):
+        return
+    await store.enqueue(response_id, store.home.request_stream(record["model"]))
 
 
 async def withdraw(store: ResponseStore, response_id: str, record: dict[str, str] | None) -> None:

@@ -172,12 +172,16 @@ async def test_a_producers_user_of_the_doc_writes_requests_and_reads_only_its_re
 
 async def test_a_keys_queue_share(any_redis_url):
     """The gateway's per-key queue share (gateway/queue_share.py) runs under the documented user."""
-    from gateway.queue_share import CLAIM_LUA
+    from gateway.queue_share import CLAIM_LUA, HOLD_LUA
 
     r = connect(create_lmq_user(any_redis_url))
     try:
-        claim = r.register_script(CLAIM_LUA)
+        claim, hold = r.register_script(CLAIM_LUA), r.register_script(HOLD_LUA)
         assert await claim(keys=["lmq:ratelimit:{d}:queued"], args=["req-1", 1000, 60_000, 4]) == 0
+        await hold(keys=["lmq:ratelimit:{d}:queued"], args=["req-1", 2000, 60_000])
+        assert await r.zscore("lmq:ratelimit:{d}:queued", "req-1") == 62_000
         assert await r.zrem("lmq:ratelimit:{d}:queued", "req-1") == 1
+        await hold(keys=["lmq:ratelimit:{d}:queued"], args=["req-1", 3000, 60_000])
+        assert await r.zscore("lmq:ratelimit:{d}:queued", "req-1") is None  # a released claim is not taken again
     finally:
         await r.aclose()

@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -373,6 +373,16 @@ class Stack:
             self.start_gateway()
         await self.wait_ready()
 
+    async def wait_drained(self, timeout: float) -> None:
+        """Until every shard's request stream is empty and nothing is pending: what ran across a fault
+        finished, or was claimed and finished."""
+        await eventually(
+            lambda: self.waiting() == 0 and not self.pending(),
+            "every request stream empty, nothing pending",
+            timeout,
+            self,
+        )
+
     async def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         def ready() -> bool:
             self.assert_alive()
@@ -392,6 +402,12 @@ class Stack:
         self.admin.close()
         if self._owns_topology:
             self.topology.close()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
 # ---------------------------------------------------------------- a client's view of one stream
@@ -539,6 +555,41 @@ async def streaming(
 
 async def stream_all(session: aiohttp.ClientSession, streams: list[ChatStream]) -> list[ChatStream]:
     return list(await asyncio.gather(*(s.run(session) for s in streams)))
+
+
+async def through_a_fault(
+    stack: Stack,
+    expected: dict[str, Expected],
+    fault: Callable[[list[ChatStream]], Awaitable[None]],
+    chunks: int = 2,
+) -> list[ChatStream]:
+    """A stream of each prompt of `expected` over the stack's gateways, `fault(streams)` once every one
+    shows `chunks` text chunks; the streams, once all have ended (each within the client's timeout)."""
+    async with client_session() as session:
+        streams = [ChatStream(stack.urls[i % len(stack.urls)], prompt) for i, prompt in enumerate(expected)]
+        tasks = [asyncio.create_task(stream.run(session)) for stream in streams]
+        try:
+            await streaming(stack, streams, tasks, chunks)
+            await fault(streams)
+        finally:
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), CLIENT_TIMEOUT_S + 10)
+    return streams
+
+
+def inexact(streams: list[ChatStream], expected: dict[str, Expected]) -> list[str]:
+    """The streams that did not end with exactly their undisturbed text, described."""
+    return [stream.describe() for stream in streams if not stream.is_exact(expected[stream.prompt].text)]
+
+
+async def assert_serves_exactly_again(stack: Stack, pool: PromptPool, after: str, streams: int = 4) -> None:
+    """After a fault (`after` names it): every process alive and ready, and fresh streams exact."""
+    stack.assert_alive()
+    await stack.wait_ready(timeout=30)
+    fresh = pool.take(streams)
+    async with client_session() as session:
+        ended = await stream_all(session, [ChatStream(stack.urls[0], prompt) for prompt in fresh])
+    problems = [f"{after}: {problem}" for problem in inexact(ended, fresh)]
+    assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
 
 
 # ---------------------------------------------------------------- foreign producers (reply streams)

@@ -1,7 +1,9 @@
-"""Support for tests/system/test_sentinel.py: a real Sentinel set (one primary, one replica, three
-sentinels, all local TCP servers of one binary, the sentinels being `redis-server --sentinel`)
-with timeouts short enough that a failover takes seconds, and a fault_support `Stack` of lmq
-processes whose `REDIS_URL` is the set's `redis+sentinel://` URL.
+"""Support for the Sentinel tests (tests/system/test_sentinel.py, test_stream_resume.py,
+test_redis_tls.py): a real Sentinel set (one primary, one replica, three sentinels, all local TCP
+servers of one binary, the sentinels being `redis-server --sentinel`) with timeouts short enough
+that a failover takes seconds, and a process `Stack` (tests/support/process_stack.py) of lmq
+processes whose `REDIS_URL` is the set's `redis+sentinel://` URL; `stack_on_sentinels` makes both
+and closes both.
 
 With `tls=ServerTls(...)` (lmq/redis_server.py) every server of the set listens over TLS only:
 the primary and the replica on their TLS ports, replicating over TLS, and the sentinels on their
@@ -10,8 +12,10 @@ own `tls-port`, reaching the servers and each other over TLS; `url` is then `red
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -143,6 +147,19 @@ def sentinel_stack(sentinels: SentinelSet, spec: StackSpec, root: Path, model_di
     """A process `Stack` on a Sentinel set: its processes get the set's `redis+sentinel://` URL and its
     `admin` client follows failovers too (tests/support/redis_topology.py `SentinelTopology`)."""
     return Stack(spec, root, model_dir, SentinelTopology(sentinels))
+
+
+@contextlib.contextmanager
+def stack_on_sentinels(root: Path, kind: str | None, spec: StackSpec, model_dir: Path) -> Iterator[Stack]:
+    """A started Sentinel set of the server `kind` (find_redis_server's) and a process `Stack` on it,
+    both closed after the block; the set is `stack.topology.sentinels`."""
+    sentinels = SentinelSet(root / "sentinel-set", kind)
+    try:
+        sentinels.start()
+        with sentinel_stack(sentinels, spec, root / "stack", model_dir) as stack:
+            yield stack
+    finally:
+        sentinels.close()
 
 
 def _pairs(flat: list) -> dict:

@@ -40,13 +40,12 @@ from tests.support.process_stack import (
     Stack,
     StackSpec,
     assert_contiguous,
+    assert_serves_exactly_again,
     chat_messages,
-    client_session,
     delta_tokens,
     eventually,
     foreign_request,
-    stream_all,
-    streaming,
+    through_a_fault,
 )
 
 SHARDS = 6  # two per primary
@@ -64,13 +63,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def stack(cluster: EmbeddedCluster, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
-    built = cluster_stack(
-        cluster, StackSpec("cluster", workers=2, gateways=1), tmp_path_factory.mktemp("cluster-stack"), tiny_model_dir
-    )
-    try:
+    spec, root = StackSpec("cluster", workers=2, gateways=1), tmp_path_factory.mktemp("cluster-stack")
+    with cluster_stack(cluster, spec, root, tiny_model_dir) as built:
         yield built
-    finally:
-        built.close()
 
 
 @pytest.fixture
@@ -372,19 +367,19 @@ async def test_a_reply_stream_without_the_shard_s_tag_is_refused_and_dead_letter
 async def test_worker_killed_mid_stream_the_other_takes_over_and_every_stream_ends_exactly(ready, pool):
     stack = ready
     expected = pool.take(6)
-    async with client_session() as session:
-        streams = [ChatStream(stack.urls[0], prompt) for prompt in expected]
-        tasks = [asyncio.create_task(stream.run(session)) for stream in streams]
-        try:
-            await streaming(stack, streams, tasks, chunks=3)
-            by_request = stack.holder_by_request()
-            held = {name: sum(1 for holder in by_request.values() if holder == name) for name in stack.workers}
-            victim = max(stack.workers, key=held.get)
-            survivor = next(name for name in stack.workers if name != victim)
-            assert held[victim], f"no worker holds an entry: {by_request}"
-            stack.kill_worker(victim)
-        finally:
-            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), CLIENT_TIMEOUT_S + 10)
+    by_request: dict[str, str] = {}
+    victim = survivor = ""
+
+    async def the_busiest_worker_dies(_) -> None:
+        nonlocal victim, survivor
+        by_request.update(stack.holder_by_request())
+        held = {name: sum(1 for holder in by_request.values() if holder == name) for name in stack.workers}
+        victim = max(stack.workers, key=held.get)
+        survivor = next(name for name in stack.workers if name != victim)
+        assert held[victim], f"no worker holds an entry: {by_request}"
+        stack.kill_worker(victim)
+
+    streams = await through_a_fault(stack, expected, the_busiest_worker_dies, chunks=3)
 
     taken_over = [stream.request_id for stream in streams if by_request.get(stream.request_id) == victim]
     shards = sorted({stack.layout.for_request(request_id).index for request_id in taken_over})
@@ -392,12 +387,7 @@ async def test_worker_killed_mid_stream_the_other_takes_over_and_every_stream_en
     print(f"taken over from {victim}: {len(taken_over)} streams in shards {shards}")
     for stream in streams:
         stream.assert_exact(expected[stream.prompt].text, context)
-    await eventually(
-        lambda: stack.waiting() == 0 and not stack.pending(),
-        "every shard's stream empty, nothing pending",
-        5 * CLAIM_S + 10,
-        stack,
-    )
+    await stack.wait_drained(5 * CLAIM_S + 10)
     stack.assert_alive([survivor, *stack.gateways])
 
 
@@ -419,48 +409,29 @@ async def test_primary_killed_mid_stream_every_stream_resumes_exactly_and_the_cl
     down); what a client sees must be what a Redis restart gives it: its exact text (the gateway's
     sharded subscriptions broke, and each request's worker sends again what they missed), never a
     hang. Then fresh requests get exact answers and nothing is left pending."""
-    with EmbeddedCluster(primaries=3, shards=SHARDS, root=tmp_path / "cluster", node_timeout_ms=1000) as cluster:
-        stack = cluster_stack(
+    with (
+        EmbeddedCluster(primaries=3, shards=SHARDS, root=tmp_path / "cluster", node_timeout_ms=1000) as cluster,
+        cluster_stack(
             cluster, StackSpec("cluster-fault", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir
-        )
-        try:
-            await stack.prepare()
-            expected = pool.take(4)
-            async with client_session() as session:
-                streams = [ChatStream(stack.urls[0], prompt) for prompt in expected]
-                tasks = [asyncio.create_task(stream.run(session)) for stream in streams]
-                try:
-                    await streaming(stack, streams, tasks, chunks=3)
-                    victim = cluster.node_of(stack.layout.for_request(streams[0].request_id).request_stream(MODEL))
-                    cluster.kill(victim)
-                    await asyncio.sleep(3)  # the other primaries mark it failed: the whole cluster refuses
-                    cluster.revive(victim)
-                finally:
-                    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), CLIENT_TIMEOUT_S + 10)
-            context = f"killed primary {victim}\n{stack.log_tails()}"
-            for stream in streams:
-                stream.assert_exact(expected[stream.prompt].text, context)
+        ) as stack,
+    ):
+        await stack.prepare()
+        expected, victim = pool.take(4), -1
 
-            stack.assert_alive()
-            await stack.wait_ready(timeout=30)
-            fresh = pool.take(4)
-            async with client_session() as session:
-                after = await stream_all(session, [ChatStream(stack.urls[0], prompt) for prompt in fresh])
-            problems = [
-                f"after the revival: {stream.describe()}"
-                for stream in after
-                if not stream.is_exact(fresh[stream.prompt].text)
-            ]
-            assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
-            await eventually(
-                lambda: stack.waiting() == 0 and not stack.pending(),
-                "every shard's stream empty, nothing pending",
-                5 * CLAIM_S + 10,
-                stack,
-            )
-            stack.assert_alive()
-        finally:
-            stack.close()
+        async def a_primary_dies_and_comes_back(streams: list[ChatStream]) -> None:
+            nonlocal victim
+            victim = cluster.node_of(stack.layout.for_request(streams[0].request_id).request_stream(MODEL))
+            cluster.kill(victim)
+            await asyncio.sleep(3)  # the other primaries mark it failed: the whole cluster refuses
+            cluster.revive(victim)
+
+        streams = await through_a_fault(stack, expected, a_primary_dies_and_comes_back, chunks=3)
+        context = f"killed primary {victim}\n{stack.log_tails()}"
+        for stream in streams:
+            stream.assert_exact(expected[stream.prompt].text, context)
+        await assert_serves_exactly_again(stack, pool, "after the revival")
+        await stack.wait_drained(5 * CLAIM_S + 10)
+        stack.assert_alive()
 
 
 # ---------------------------------------------------------------- admission: a worker takes no more than its room

@@ -254,21 +254,16 @@ async def _complete_requests(stack, tiny) -> None:
 async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_sentinel_set(
     tls_sentinels, tmp_path: Path, tiny_model_dir, tiny
 ):
-    stack = sentinel_stack(tls_sentinels, StackSpec("tls-sentinel", workers=1, gateways=1), tmp_path, tiny_model_dir)
-    try:
+    spec = StackSpec("tls-sentinel", workers=1, gateways=1)
+    with sentinel_stack(tls_sentinels, spec, tmp_path, tiny_model_dir) as stack:
         await _complete_requests(stack, tiny)
-    finally:
-        stack.close()
 
 
 async def test_a_gateway_and_a_worker_complete_requests_over_a_tls_cluster(
     tls_cluster, tmp_path: Path, tiny_model_dir, tiny
 ):
-    stack = cluster_stack(tls_cluster, StackSpec("tls-cluster", workers=1, gateways=1), tmp_path, tiny_model_dir)
-    try:
+    with cluster_stack(tls_cluster, StackSpec("tls-cluster", workers=1, gateways=1), tmp_path, tiny_model_dir) as stack:
         await _complete_requests(stack, tiny)
-    finally:
-        stack.close()
 
 
 def test_no_password_of_a_tls_url_shows_in_messages():

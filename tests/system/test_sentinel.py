@@ -10,8 +10,6 @@ text or an error the client sees (never a silent gap, never a hang), as after a 
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from gateway.config import GatewayConfig
@@ -23,16 +21,12 @@ from protocol.redis_client import connect
 from protocol.sentinel_url import SentinelAddress, is_sentinel_url, parse_sentinel_url
 from tests.support.process_stack import (
     CLAIM_IDLE_MS,
-    STREAM,
-    ChatStream,
     PromptPool,
     StackSpec,
-    client_session,
-    eventually,
-    stream_all,
-    streaming,
+    assert_serves_exactly_again,
+    through_a_fault,
 )
-from tests.support.sentinel_stack import SentinelSet, sentinel_stack
+from tests.support.sentinel_stack import SentinelSet, stack_on_sentinels
 from worker.config import WorkerConfig
 
 # ---------------------------------------------------------------- the URL
@@ -165,25 +159,17 @@ async def pool(tiny) -> PromptPool:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then_the_promoted_replica_serves(
-    sentinel_set, tmp_path, tiny_model_dir, pool
+    tmp_path, tiny_model_dir, pool
 ):
-    stack = sentinel_stack(
-        sentinel_set, StackSpec("sentinel", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir
-    )
-    try:
-        stack.start_worker()
-        stack.start_gateway()
-        await stack.wait_ready()
-
+    with stack_on_sentinels(tmp_path, None, StackSpec("sentinel", workers=1, gateways=1), tiny_model_dir) as stack:
+        sentinels = stack.topology.sentinels
+        await stack.prepare()
         expected = pool.take(4)
-        async with client_session() as session:
-            streams = [ChatStream(stack.urls[0], prompt) for prompt in expected]
-            tasks = [asyncio.create_task(stream.run(session)) for stream in streams]
-            try:
-                await streaming(stack, streams, tasks, chunks=3)
-                sentinel_set.kill_primary()
-            finally:
-                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+
+        async def primary_dies(_) -> None:
+            sentinels.kill_primary()
+
+        streams = await through_a_fault(stack, expected, primary_dies, chunks=3)
         outcomes = [
             stream.assert_exact_or_visible_error(expected[stream.prompt].text, stack.log_tails()) for stream in streams
         ]
@@ -191,27 +177,9 @@ async def test_primary_killed_mid_stream_clients_see_exact_text_or_an_error_then
             f"in-flight streams across the failover: {outcomes}; {[stream.error for stream in streams if stream.error]}"
         )
 
-        await sentinel_set.wait_failover()
-        stack.assert_alive()
-        await stack.wait_ready(timeout=30)
-        fresh = pool.take(4)
-        async with client_session() as session:
-            after = await stream_all(session, [ChatStream(stack.urls[0], prompt) for prompt in fresh])
-        problems = [
-            f"after the failover: {stream.describe()}"
-            for stream in after
-            if not stream.is_exact(fresh[stream.prompt].text)
-        ]
-        assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
-        assert stack.admin.info("server")["tcp_port"] == sentinel_set.replica.port
+        await sentinels.wait_failover()
+        await assert_serves_exactly_again(stack, pool, "after the failover")
+        assert stack.admin.info("server")["tcp_port"] == sentinels.replica.port
         assert stack.group_exists()
-
-        def nothing_left() -> bool:  # what ran across the failover is finished, or claimed and finished
-            return not stack.pending() and stack.admin.xlen(STREAM) == 0
-
-        await eventually(
-            nothing_left, "an empty request stream with nothing pending", 5 * CLAIM_IDLE_MS / 1000 + 10, stack
-        )
+        await stack.wait_drained(5 * CLAIM_IDLE_MS / 1000 + 10)
         stack.assert_alive()
-    finally:
-        stack.close()

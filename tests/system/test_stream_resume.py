@@ -18,17 +18,14 @@ import pytest
 
 from tests.support.process_stack import (
     CLIENT_TIMEOUT_S,
-    STREAM,
-    ChatStream,
     PromptPool,
     Stack,
     StackSpec,
-    client_session,
     eventually,
-    streaming,
+    inexact,
+    through_a_fault,
 )
-from tests.support.sentinel_stack import SERVICE, SentinelSet
-from tests.support.sentinel_stack import sentinel_stack as stack_on
+from tests.support.sentinel_stack import SERVICE, SentinelSet, stack_on_sentinels
 
 KINDS = ["redis6", "valkey9"]
 RESUME_TIMEOUT_S = 15  # the gateway's default
@@ -46,30 +43,13 @@ async def _through_a_fault(stack: Stack, pool: PromptPool, streams: int, fault) 
     """`streams` streams, `fault()` once all show text; the problems seen: any stream that did not
     end with exactly the undisturbed text."""
     expected = pool.take(streams)
-    async with client_session() as session:
-        runs = [ChatStream(stack.urls[i % len(stack.urls)], prompt) for i, prompt in enumerate(expected)]
-        tasks = [asyncio.create_task(run.run(session)) for run in runs]
-        try:
-            await streaming(stack, runs, tasks, chunks=2)
-            await fault()
-        finally:
-            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), CLIENT_TIMEOUT_S + 10)
-    return [run.describe() for run in runs if not run.is_exact(expected[run.prompt].text)]
-
-
-async def _nothing_left(stack: Stack) -> None:
-    await eventually(
-        lambda: not stack.pending() and stack.admin.xlen(STREAM) == 0, "nothing pending", CLAIM_WAIT_S, stack
-    )
+    return inexact(await through_a_fault(stack, expected, lambda _: fault()), expected)
 
 
 @pytest.fixture(params=KINDS)
 def restart_stack(request, tmp_path, tiny_model_dir):
-    stack = Stack(StackSpec(request.param, workers=2, gateways=1), tmp_path / "stack", tiny_model_dir)
-    try:
+    with Stack(StackSpec(request.param, workers=2, gateways=1), tmp_path / "stack", tiny_model_dir) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 async def test_redis_killed_and_restarted_every_stream_ends_with_its_exact_text(restart_stack, pool):
@@ -82,25 +62,20 @@ async def test_redis_killed_and_restarted_every_stream_ends_with_its_exact_text(
     problems = await _through_a_fault(stack, pool, streams=4, fault=restart)
     assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
     stack.assert_alive()
-    await _nothing_left(stack)
+    await stack.wait_drained(CLAIM_WAIT_S)
 
 
 @pytest.fixture(params=KINDS)
 def sentinel_stack(request, tmp_path, tiny_model_dir):
-    sentinels = SentinelSet(tmp_path / "sentinel-set", request.param).start()
-    stack = stack_on(sentinels, StackSpec("sentinel", workers=1, gateways=1), tmp_path / "stack", tiny_model_dir)
-    try:
-        yield stack, sentinels
-    finally:
-        stack.close()
-        sentinels.close()
+    with stack_on_sentinels(
+        tmp_path, request.param, StackSpec("sentinel", workers=1, gateways=1), tiny_model_dir
+    ) as stack:
+        yield stack
 
 
 async def test_sentinel_failover_every_stream_ends_with_its_exact_text(sentinel_stack, pool):
-    stack, sentinels = sentinel_stack
-    stack.start_worker()
-    stack.start_gateway()
-    await stack.wait_ready()
+    stack, sentinels = sentinel_stack, sentinel_stack.topology.sentinels
+    await stack.prepare()
 
     async def failover():
         sentinels.kill_primary()
@@ -110,38 +85,33 @@ async def test_sentinel_failover_every_stream_ends_with_its_exact_text(sentinel_
     assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
     assert stack.admin.info("server")["tcp_port"] == sentinels.replica.port
     stack.assert_alive()
-    await _nothing_left(stack)
+    await stack.wait_drained(CLAIM_WAIT_S)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_no_worker_answers_the_resume_the_client_gets_the_visible_error(kind, tmp_path, tiny_model_dir, pool):
     """The only worker dies with Redis: nobody holds the streams' tokens. Within the resume bound
     (3 s here) plus a little, each stream ends with the `unavailable` error, after a prefix of its text."""
-    stack = Stack(StackSpec(kind, workers=1, gateways=1), tmp_path / "stack", tiny_model_dir)
-    try:
+    with Stack(StackSpec(kind, workers=1, gateways=1), tmp_path / "stack", tiny_model_dir) as stack:
         stack.start_worker()
         stack.start_gateway(LMQ_RESUME_TIMEOUT="3")
         await stack.wait_ready()
-        expected = pool.take(4)
-        async with client_session() as session:
-            runs = [ChatStream(stack.urls[0], prompt) for prompt in expected]
-            tasks = [asyncio.create_task(run.run(session)) for run in runs]
-            try:
-                await streaming(stack, runs, tasks, chunks=2)
-                stack.kill_worker(stack.workers[0])
-                started = time.monotonic()
-                await asyncio.to_thread(stack.restart_redis, persist=True, down_s=0.5)
-            finally:
-                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), CLIENT_TIMEOUT_S + 10)
-            ended = time.monotonic() - started
+        expected, started = pool.take(4), 0.0
+
+        async def worker_and_redis_die(_) -> None:
+            nonlocal started
+            stack.kill_worker(stack.workers[0])
+            started = time.monotonic()
+            await asyncio.to_thread(stack.restart_redis, persist=True, down_s=0.5)
+
+        runs = await through_a_fault(stack, expected, worker_and_redis_die)
+        ended = time.monotonic() - started
         for run in runs:
             assert run.assert_exact_or_visible_error(expected[run.prompt].text, stack.log_tails()) == "error", (
                 run.describe()
             )
             assert "answer may be lost" in run.error, run.describe()
         assert ended < CLIENT_TIMEOUT_S, ended
-    finally:
-        stack.close()
 
 
 @pytest.mark.long
@@ -149,8 +119,7 @@ async def test_no_worker_answers_the_resume_the_client_gets_the_visible_error(ki
 async def test_ten_redis_restarts_in_a_row_under_16_streams(kind, tmp_path, tiny_model_dir, pool):
     """The black-box target of issue 30: 10 faults in a row, each a Redis SIGKILL + restart while 16
     greedy streams run; every stream exact."""
-    stack = Stack(StackSpec(kind, workers=2, gateways=1), tmp_path / "stack", tiny_model_dir)
-    try:
+    with Stack(StackSpec(kind, workers=2, gateways=1), tmp_path / "stack", tiny_model_dir) as stack:
         for _ in range(2):
             stack.start_worker(LMQ_MAX_SEQS="8", LMQ_KV_MEMORY="16MiB")
         stack.start_gateway()
@@ -169,8 +138,6 @@ async def test_ten_redis_restarts_in_a_row_under_16_streams(kind, tmp_path, tiny
         )
         assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
         stack.assert_alive()
-    finally:
-        stack.close()
 
 
 async def _fail_over_and_rejoin(sentinels: SentinelSet) -> None:
@@ -222,22 +189,18 @@ def _pairs(flat) -> dict:
 async def test_ten_sentinel_failovers_in_a_row_under_16_streams(kind, tmp_path, tiny_model_dir, pool):
     """10 failovers in a row (the primary SIGKILLed, the replica promoted, the old primary back as a
     replica), each while 16 greedy streams run; every stream exact."""
-    sentinels = SentinelSet(tmp_path / "sentinel-set", kind).start()
-    stack = stack_on(sentinels, StackSpec("sentinel", workers=2, gateways=1), tmp_path / "stack", tiny_model_dir)
-    try:
+    with stack_on_sentinels(tmp_path, kind, StackSpec("sentinel", workers=2, gateways=1), tiny_model_dir) as stack:
+        sentinels = stack.topology.sentinels
         for _ in range(2):
             stack.start_worker(LMQ_MAX_SEQS="8", LMQ_KV_MEMORY="16MiB")
         stack.start_gateway()
         await stack.wait_ready()
         problems, started = [], time.monotonic()
         for number in range(10):
-            inexact = await _through_a_fault(stack, pool, 16, lambda: _fail_over_and_rejoin(sentinels))
-            problems += [f"failover {number + 1}: {problem}" for problem in inexact]
+            missed = await _through_a_fault(stack, pool, 16, lambda: _fail_over_and_rejoin(sentinels))
+            problems += [f"failover {number + 1}: {problem}" for problem in missed]
         print(
             f"16 streams through each of 10 failovers on {kind}: {time.monotonic() - started:.1f} s, {len(problems)} inexact"
         )
         assert not problems, "\n".join(problems) + f"\n{stack.log_tails()}"
         stack.assert_alive()
-    finally:
-        stack.close()
-        sentinels.close()

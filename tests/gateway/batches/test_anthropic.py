@@ -7,51 +7,24 @@ from collections import Counter
 import anthropic
 import pytest
 
-from tests.support.batch_files import poll, slow
+from tests.support.batch_files import anthropic_client, message_batch_end, poll, slow
+from tests.support.batch_files import message_params as params
 from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
-
-
-def client_for(url: str) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
-
-
-def params(prompt: str, max_tokens: int = 4, **extra) -> dict:
-    return {
-        "model": REAL_MODEL,
-        "max_tokens": max_tokens,
-        "messages": [{"role": "user", "content": prompt}],
-        "temperature": 0,
-        **extra,
-    }
-
-
-async def ended(client: anthropic.AsyncAnthropic, batch_id: str):
-    async def check():
-        batch = await client.messages.batches.retrieve(batch_id)
-        return batch if batch.processing_status == "ended" else None
-
-    return await poll(check, what=f"batch {batch_id} to end")
 
 
 async def results(client: anthropic.AsyncAnthropic, batch_id: str) -> list:
     return [result async for result in await client.messages.batches.results(batch_id)]
 
 
-@pytest.fixture
-async def url(redis_url, tiny):
-    async with real_worker(redis_url, tiny), running_gateway(redis_url) as url:
-        yield url
-
-
 async def test_a_message_batch_runs_to_the_end_with_one_result_per_request(url):
-    client = client_for(url)
+    client = anthropic_client(url)
     requests = [{"custom_id": f"m-{i}", "params": params(f"Say {i}", system="Be brief.")} for i in range(10)]
     requests.append({"custom_id": "too-long", "params": params("fox " * 3000)})
     batch = await client.messages.batches.create(requests=requests)
     assert (
         batch.processing_status == "in_progress" and batch.request_counts.processing == 11 and batch.results_url is None
     )
-    batch = await ended(client, batch.id)
+    batch = await message_batch_end(client, batch.id)
     assert (batch.request_counts.succeeded, batch.request_counts.errored, batch.request_counts.processing) == (10, 1, 0)
     assert batch.ended_at is not None and batch.results_url.endswith(f"/v1/messages/batches/{batch.id}/results")
     found = await results(client, batch.id)
@@ -88,7 +61,7 @@ async def test_a_message_batch_runs_to_the_end_with_one_result_per_request(url):
 
 
 async def test_a_malformed_request_refuses_the_whole_batch_naming_it(url):
-    client = client_for(url)
+    client = anthropic_client(url)
     good = {"custom_id": "good", "params": params("hi")}
     cases = [
         (
@@ -112,13 +85,13 @@ async def test_a_malformed_request_refuses_the_whole_batch_naming_it(url):
 
 async def test_a_request_with_bad_params_errors_alone_and_the_others_run(url):
     """Anthropic checks `params` as each request runs: a bad one is `errored`, the rest succeed."""
-    client = client_for(url)
+    client = anthropic_client(url)
     requests = [{"custom_id": f"ok-{i}", "params": params(f"Say {i}")} for i in range(3)]
     requests += [
         {"custom_id": "no-max", "params": {"model": REAL_MODEL, "messages": [{"role": "user", "content": "hi"}]}},
         {"custom_id": "streams", "params": params("hi", stream=True)},
     ]
-    batch = await ended(client, (await client.messages.batches.create(requests=requests)).id)
+    batch = await message_batch_end(client, (await client.messages.batches.create(requests=requests)).id)
     assert (batch.request_counts.succeeded, batch.request_counts.errored) == (3, 2)
     found = {result.custom_id: result.result for result in await results(client, batch.id)}
     for custom_id, named in (("no-max", "max_tokens"), ("streams", "stream")):
@@ -156,7 +129,7 @@ async def test_cancelling_keeps_what_finished_and_cancels_the_rest(redis_url, ti
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
         running_gateway(redis_url, batch_in_flight=4) as url,
     ):
-        client = client_for(url)
+        client = anthropic_client(url)
         batch = await client.messages.batches.create(
             requests=[{"custom_id": f"c{i}", "params": params(f"Count {i}", 6)} for i in range(24)]
         )
@@ -167,7 +140,7 @@ async def test_cancelling_keeps_what_finished_and_cancels_the_rest(redis_url, ti
         await poll(some_done, what="two results")
         canceling = await client.messages.batches.cancel(batch.id)
         assert canceling.processing_status in ("canceling", "ended") and canceling.cancel_initiated_at is not None
-        batch = await ended(client, batch.id)
+        batch = await message_batch_end(client, batch.id)
         found = await results(client, batch.id)
     counts = batch.request_counts
     assert counts.succeeded >= 2 and counts.canceled > 0 and counts.succeeded + counts.canceled + counts.errored == 24
@@ -182,11 +155,11 @@ async def test_expired_requests_say_so(redis_url, tiny):
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
         running_gateway(redis_url, batch_window_seconds=2.0, batch_in_flight=2) as url,
     ):
-        client = client_for(url)
+        client = anthropic_client(url)
         batch = await client.messages.batches.create(
             requests=[{"custom_id": f"e{i}", "params": params(f"List {i}", 8)} for i in range(20)]
         )
-        batch = await ended(client, batch.id)
+        batch = await message_batch_end(client, batch.id)
         found = await results(client, batch.id)
     assert batch.request_counts.expired > 0 and batch.request_counts.processing == 0
     assert {result.result.type for result in found} <= {"succeeded", "expired"}

@@ -10,22 +10,21 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 import protocol
-from tests.support.batch_files import chat_line, file_lines, jsonl, openai_batch_end, openai_progress, slow
+from tests.support.batch_files import (
+    chat_line,
+    create_batch,
+    file_lines,
+    jsonl,
+    openai_batch_end,
+    openai_client,
+    openai_progress,
+    slow,
+)
 from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
 
 
-def client_for(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-async def url(redis_url, tiny):
-    async with real_worker(redis_url, tiny), running_gateway(redis_url) as url:
-        yield url
-
-
 async def test_a_batch_answers_every_item_once_as_the_live_endpoint_would(url):
-    client = client_for(url)
+    client = openai_client(url)
     prompts = {f"q{i}": f"Question {i}: what comes after {i}?" for i in range(12)}
     upload = await client.files.create(
         file=("in.jsonl", jsonl([chat_line(cid, p) for cid, p in prompts.items()])), purpose="batch"
@@ -70,7 +69,7 @@ async def test_a_batch_answers_every_item_once_as_the_live_endpoint_would(url):
 
 
 async def test_legacy_completions_batches_and_item_errors_go_to_the_error_file(url, redis_client):
-    client = client_for(url)
+    client = openai_client(url)
     lines = [
         {
             "custom_id": "ok",
@@ -85,11 +84,7 @@ async def test_legacy_completions_batches_and_item_errors_go_to_the_error_file(u
             "body": {"model": REAL_MODEL, "prompt": "fox " * 3000, "max_tokens": 3},
         },
     ]
-    upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-    batch = await openai_batch_end(
-        client,
-        (await client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")).id,
-    )
+    batch = await openai_batch_end(client, (await create_batch(client, lines, "/v1/completions")).id)
     assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
     [good] = await file_lines(client, batch.output_file_id)
     assert good["custom_id"] == "ok" and Completion.model_validate(good["response"]["body"]).object == "text_completion"
@@ -102,7 +97,7 @@ async def test_legacy_completions_batches_and_item_errors_go_to_the_error_file(u
 
 
 async def test_malformed_lines_are_refused_at_upload_each_one_named(url):
-    client = client_for(url)
+    client = openai_client(url)
     lines = [
         chat_line("fine", "hello"),
         "{not json",
@@ -135,12 +130,9 @@ async def test_malformed_lines_are_refused_at_upload_each_one_named(url):
 
 async def test_a_bad_body_fails_its_own_line_and_the_others_run(url):
     """issue 29: 8 good lines and one with max_tokens -5 run the 8; the 9th is in the error file with its 400."""
-    client = client_for(url)
+    client = openai_client(url)
     lines = [chat_line(f"g{i}", f"Say {i}") for i in range(8)] + [chat_line("bad", "hi", max_tokens=-5)]
-    upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-    batch = await client.batches.create(
-        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = await create_batch(client, lines)
     assert batch.status in ("validating", "in_progress") and batch.request_counts.total == 9
     batch = await openai_batch_end(client, batch.id)
     assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (8, 1)
@@ -156,7 +148,7 @@ async def test_a_bad_body_fails_its_own_line_and_the_others_run(url):
 
 
 async def test_files_are_read_listed_and_deleted(url):
-    client = client_for(url)
+    client = openai_client(url)
     data = jsonl([chat_line("a", "one"), chat_line("b", "two")])
     upload = await client.files.create(file=("in.jsonl", data), purpose="batch")
     assert (await client.files.retrieve(upload.id)).bytes == len(data)
@@ -171,7 +163,7 @@ async def test_files_are_read_listed_and_deleted(url):
 
 
 async def test_a_file_for_another_endpoint_or_model_fails_the_batch_with_its_errors(url):
-    client = client_for(url)
+    client = openai_client(url)
     lines = [chat_line("a", "one"), chat_line("b", "two", model="no-such-model")]
     upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
     failed = await client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
@@ -184,7 +176,7 @@ async def test_a_file_for_another_endpoint_or_model_fails_the_batch_with_its_err
 
 
 async def test_batches_are_listed_newest_first_page_by_page(url):
-    client = client_for(url)
+    client = openai_client(url)
     upload = await client.files.create(file=("in.jsonl", jsonl([chat_line("a", "one")])), purpose="batch")
     created = [
         (
@@ -208,12 +200,9 @@ async def test_cancelling_mid_way_keeps_finished_answers_and_cancels_the_rest(re
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
         running_gateway(redis_url, batch_in_flight=4) as url,
     ):
-        client = client_for(url)
+        client = openai_client(url)
         lines = [chat_line(f"c{i}", f"Count to {i}", max_tokens=6) for i in range(30)]
-        upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-        batch = await client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = await create_batch(client, lines)
         await openai_progress(client, batch.id, 3)
         cancelling = await client.batches.cancel(batch.id)
         assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
@@ -233,17 +222,9 @@ async def test_a_batch_past_its_window_expires_its_unfinished_items(redis_url, t
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
         running_gateway(redis_url, batch_window_seconds=3.0, batch_in_flight=4) as url,
     ):
-        client = client_for(url)
+        client = openai_client(url)
         lines = [chat_line(f"e{i}", f"Name {i} colours", max_tokens=8) for i in range(40)]
-        upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-        batch = await openai_batch_end(
-            client,
-            (
-                await client.batches.create(
-                    input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-                )
-            ).id,
-        )
+        batch = await openai_batch_end(client, (await create_batch(client, lines)).id)
         done, failed = await file_lines(client, batch.output_file_id), await file_lines(client, batch.error_file_id)
     assert batch.status == "expired" and batch.expired_at >= batch.expires_at
     assert Counter(line["custom_id"] for line in done + failed) == Counter(f"e{i}" for i in range(40))

@@ -6,33 +6,23 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-import openai
-
 import protocol
 from protocol.keys import batch_key
-from tests.support.batch_files import chat_line, file_lines, jsonl, openai_batch_end, poll, slow
+from tests.support.batch_files import chat_line, create_batch, file_lines, openai_batch_end, openai_client, poll, slow
 from tests.support.gateway_harness import REAL_MODEL, announce, real_worker, running_gateway
 
 BATCH_STREAM = protocol.request_stream(REAL_MODEL, "batch")
 
 
-def client_for(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-
-async def create(client: openai.AsyncOpenAI, count: int, max_tokens: int = 4):
-    lines = [chat_line(f"r{i}", f"Say {i}", max_tokens=max_tokens) for i in range(count)]
-    upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-    return await client.batches.create(
-        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+def numbered(count: int, max_tokens: int = 4) -> list[dict]:
+    return [chat_line(f"r{i}", f"Say {i}", max_tokens=max_tokens) for i in range(count)]
 
 
 async def test_items_whose_queue_entries_vanished_run_again(redis_url, redis_client, tiny):
     await announce(redis_client, REAL_MODEL)  # "served": the batch may be created, but no worker reads yet
     async with running_gateway(redis_url) as url:
-        client = client_for(url)
-        batch = await create(client, 6)
+        client = openai_client(url)
+        batch = await create_batch(client, numbered(6))
 
         async def enqueued():
             return await redis_client.xlen(BATCH_STREAM) == 6
@@ -64,11 +54,11 @@ async def test_one_gateway_drives_a_batch_and_another_takes_over_when_it_stops(r
         for name in ("gw-a", "gw-b"):
             stack = await outer.enter_async_context(contextlib.AsyncExitStack())
             gateways[name] = (stack, await stack.enter_async_context(running_gateway(redis_url, gateway_id=name)))
-        batch = await create(client_for(gateways["gw-a"][1]), 40, max_tokens=8)
+        batch = await create_batch(openai_client(gateways["gw-a"][1]), numbered(40, max_tokens=8))
         lease = batch_key(batch.id, "lease")
         holder = (await poll(lambda: redis_client.get(lease), what="a gateway to take the lease")).decode()
         other = "gw-b" if holder == "gw-a" else "gw-a"
-        client = client_for(gateways[other][1])
+        client = openai_client(gateways[other][1])
         await poll(lambda: _some_finished(client, batch.id), what="some items to finish")
         await gateways[holder][0].aclose()  # a graceful stop releases the lease at once
 
@@ -82,5 +72,5 @@ async def test_one_gateway_drives_a_batch_and_another_takes_over_when_it_stops(r
     assert Counter(line["custom_id"] for line in lines) == Counter(f"r{i}" for i in range(40))
 
 
-async def _some_finished(client: openai.AsyncOpenAI, batch_id: str) -> bool:
+async def _some_finished(client, batch_id: str) -> bool:
     return (await client.batches.retrieve(batch_id)).request_counts.completed >= 4

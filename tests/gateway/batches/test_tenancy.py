@@ -12,25 +12,22 @@ import pytest
 
 from gateway.auth import key_digest
 from protocol.keys import rate_limit_key
-from tests.support.batch_files import chat_line, file_lines, jsonl, openai_batch_end, poll, slow
+from tests.support.batch_files import (
+    anthropic_client,
+    chat_line,
+    create_batch,
+    file_lines,
+    jsonl,
+    message_batch_end,
+    message_request,
+    openai_batch_end,
+    openai_client,
+    poll,
+    slow,
+)
 from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
 
 KEY_A, KEY_B = "sk-tenant-a-0001", "sk-tenant-b-0002"
-
-
-def openai_client(url: str, key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
-
-
-def anthropic_client(url: str, key: str) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=url, api_key=key, max_retries=0)
-
-
-def message_request(custom_id: str, max_tokens: int = 6) -> dict:
-    return {
-        "custom_id": custom_id,
-        "params": {"model": REAL_MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": custom_id}]},
-    }
 
 
 async def not_found(call) -> None:
@@ -51,7 +48,7 @@ async def test_another_key_can_neither_see_nor_use_nor_remove_a_keys_files_and_b
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         a_msgs, b_msgs = anthropic_client(url, KEY_A), anthropic_client(url, KEY_B)
-        message_batch = await a_msgs.messages.batches.create(requests=[message_request(f"m{i}") for i in range(8)])
+        message_batch = await a_msgs.messages.batches.create(requests=[message_request(f"m{i}", 6) for i in range(8)])
 
         assert [f async for f in b.files.list()] == [] and [x async for x in b.batches.list()] == []
         assert [x async for x in b_msgs.messages.batches.list()] == []
@@ -75,11 +72,7 @@ async def test_another_key_can_neither_see_nor_use_nor_remove_a_keys_files_and_b
         assert len(await file_lines(a, batch.output_file_id)) == 8
         await not_found(b.files.content(batch.output_file_id))  # the output is A's too
 
-        async def ended():
-            found = await a_msgs.messages.batches.retrieve(message_batch.id)
-            return found if found.processing_status == "ended" else None
-
-        assert (await poll(ended, what="the message batch to end")).request_counts.succeeded == 8
+        assert (await message_batch_end(a_msgs, message_batch.id)).request_counts.succeeded == 8
         assert sorted([f.id async for f in a.files.list()]) == sorted([upload.id, batch.output_file_id])
         assert [x.id async for x in a.batches.list()] == [batch.id]
         await a_msgs.messages.batches.delete(message_batch.id)
@@ -122,12 +115,12 @@ async def test_without_keys_every_client_shares_one_anonymous_owner(redis_url, t
 async def test_a_malformed_id_in_the_url_is_a_404_and_never_reaches_redis(redis_url, tiny, method, path):
     """`<id>:data` named another kind of key: Redis answered WRONGTYPE and the gateway a 503 (issue 28, item 16)."""
     async with real_worker(redis_url, tiny), running_gateway(redis_url) as url:
-        client = openai_client(url, "unused")
+        client = openai_client(url)
         upload = await client.files.create(file=("in.jsonl", jsonl([chat_line("x", "hi")])), purpose="batch")
         batch = await client.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        message_batch = await anthropic_client(url, "unused").messages.batches.create(requests=[message_request("m")])
+        message_batch = await anthropic_client(url).messages.batches.create(requests=[message_request("m", 6)])
         async with aiohttp.ClientSession() as http:
             target = url + path.format(file=upload.id, batch=batch.id, msgbatch=message_batch.id)
             async with http.request(method, target) as response:
@@ -154,10 +147,7 @@ async def test_a_batch_counts_against_its_keys_token_limit_and_waits_for_the_bud
     ):
         client = openai_client(url, KEY_A)
         lines = [chat_line(f"t{i}", f"Count to {i}", max_tokens=8) for i in range(12)]  # about 25 tokens each
-        upload = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-        batch = await client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = await create_batch(client, lines)
         counter = rate_limit_key(key_digest(KEY_A), "tokens")
 
         async def stalled():

@@ -4,14 +4,18 @@ a real gateway and Redis, a scripted worker (the exact protocol request is visib
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import openai
 import pytest
 import redis.asyncio as aioredis
 
 import protocol
+from gateway.auth import key_digest
 from gateway.openai import REASONING_BUDGETS
 from protocol.codec import encode
+from protocol.keys import rate_limit_key
 from tests.support.batch_files import poll
 from tests.support.gateway_harness import (
     MODEL,
@@ -24,6 +28,7 @@ from tests.support.gateway_harness import (
     worker_running,
 )
 
+SHARE_A = rate_limit_key(key_digest("key-a"), "queued")
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -133,41 +138,42 @@ def thinking_events(request: protocol.Request) -> list[dict]:
     return events + [protocol.done_event(request.id, len(PIECES) + 1, "stop", 7, len(PIECES), 0)]
 
 
-async def thinking_worker(redis: aioredis.Redis, received: list[protocol.Request], stop: asyncio.Event) -> None:
-    """Answers on the request's reply address: a pub/sub channel, or a background response's stream."""
-    while taken := await take_request(redis, MODEL, "thinker", stop):
-        entry_id, request = taken
-        received.append(request)
-        for event in thinking_events(request):
-            if request.reply.kind == "stream":
-                await redis.xadd(request.reply.key, {"msg": encode(event)})
-            else:
-                await publish(redis, request, [event])
-        await finish(redis, request, entry_id)
-
-
-async def test_a_thinking_answer_is_a_reasoning_item_whole_streamed_and_in_the_background(redis_url, redis):
+@contextlib.asynccontextmanager
+async def answering(redis: aioredis.Redis, answer) -> AsyncIterator[list[protocol.Request]]:
+    """A scripted worker for the block that answers on each request's reply address: a pub/sub channel,
+    or a background response's stream; `answer(request)` gives the events. Yields the requests taken."""
     received: list[protocol.Request] = []
     stop = asyncio.Event()
-    worker = asyncio.create_task(thinking_worker(redis, received, stop))
-    await announce(redis, MODEL, "thinker")
+
+    async def serve() -> None:
+        while taken := await take_request(redis, MODEL, "answering", stop):
+            entry_id, request = taken
+            received.append(request)
+            for event in answer(request):
+                if request.reply.kind == "stream":
+                    await redis.xadd(request.reply.key, {"msg": encode(event)})
+                else:
+                    await publish(redis, request, [event])
+            await finish(redis, request, entry_id)
+
+    worker = asyncio.create_task(serve())
+    await announce(redis, MODEL, "answering")
     try:
-        async with running_gateway(redis_url) as url:
-            client = sdk(url)
-            whole = await client.responses.create(model=MODEL, input="What is 2+2?", reasoning={"effort": "low"})
-            async with client.responses.stream(model=MODEL, input="What is 2+2?") as stream:
-                kinds = [event.type async for event in stream]
-                streamed = await stream.get_final_response()
-            queued = await client.responses.create(model=MODEL, input="What is 2+2?", background=True)
-
-            async def ended():
-                found = await client.responses.retrieve(queued.id)
-                return found if found.status == "completed" else None
-
-            background = await poll(ended, what="the background response's end")
+        yield received
     finally:
         stop.set()
         await worker
+
+
+async def test_a_thinking_answer_is_a_reasoning_item_whole_streamed_and_in_the_background(redis_url, redis):
+    async with answering(redis, thinking_events) as received, running_gateway(redis_url) as url:
+        client = sdk(url)
+        whole = await client.responses.create(model=MODEL, input="What is 2+2?", reasoning={"effort": "low"})
+        async with client.responses.stream(model=MODEL, input="What is 2+2?") as stream:
+            kinds = [event.type async for event in stream]
+            streamed = await stream.get_final_response()
+        queued = await client.responses.create(model=MODEL, input="What is 2+2?", background=True)
+        background = await ended(client, queued.id)
     for response in (whole, streamed, background):
         reasoning, message = response.output
         assert reasoning.type == "reasoning" and reasoning.content[0].text == REASONING
@@ -176,3 +182,39 @@ async def test_a_thinking_answer_is_a_reasoning_item_whole_streamed_and_in_the_b
     assert kinds.count("response.reasoning_text.delta") >= 1 and "response.reasoning_text.done" in kinds
     assert whole.reasoning.effort == "low" and received[0].reasoning_budget == REASONING_BUDGETS["low"]
     assert received[1].reasoning_budget is None and received[2].reply.kind == "stream"
+
+
+async def ended(client: openai.AsyncOpenAI, response_id: str, status: str = "completed"):
+    async def found():
+        response = await client.responses.retrieve(response_id)
+        return response if response.status == status else None
+
+    return await poll(found, what=f"background response {response_id} {status}")
+
+
+def answer_events(request: protocol.Request) -> list[dict]:
+    return [
+        protocol.started_event(request.id, 0, 5),
+        protocol.delta_event(request.id, 1, "ok", [7], 0),
+        protocol.done_event(request.id, 2, "stop", 5, 1, 0),
+    ]
+
+
+async def test_background_responses_wait_for_room_in_their_keys_queue_share(redis_url, redis):
+    """A key's background responses take places in its share of the queue (gateway/queue_share.py) as
+    its live requests do: past the share they wait, queued (not refused: a batch item waits for its
+    key's budget the same way), and go in as a worker's pickups free places."""
+    await announce(redis)  # served, but nobody reads the stream yet
+    async with running_gateway(redis_url, api_keys="key-a", max_queue_per_key=2) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0)
+        queued = [await client.responses.create(model=MODEL, input=f"Say {i}.", background=True) for i in range(3)]
+        assert [response.status for response in queued] == ["queued"] * 3
+        await asyncio.sleep(1.5)  # a few of its driver's ticks: the third stays out of the queue
+        assert await redis.xlen(protocol.request_stream(MODEL)) == 2
+        assert await redis.zcard(SHARE_A) == 2
+        with pytest.raises(openai.RateLimitError):  # the share is the key's, live and background alike
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        async with answering(redis, answer_events) as received:
+            done = [await ended(client, response.id) for response in queued]
+    assert [response.output_text for response in done] == ["ok"] * 3 and len(received) == 3
+    assert await redis.zcard(SHARE_A) == 0  # each place freed when its worker started
