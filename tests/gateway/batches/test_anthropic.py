@@ -109,10 +109,10 @@ CITY = {
 
 async def test_structured_output_is_answered_as_the_live_endpoint_answers(url):
     """An item is the live request: `output_config` constrains it as it does live (it was ignored)."""
-    client = client_for(url)
+    client = anthropic_client(url)
     request = params("Name a city.", 24, output_config={"format": {"type": "json_schema", "schema": CITY}})
     batch = await client.messages.batches.create(requests=[{"custom_id": "city", "params": request}])
-    await ended(client, batch.id)
+    await message_batch_end(client, batch.id)
     [result] = await results(client, batch.id)
     live = await client.messages.create(
         **{k: v for k, v in request.items() if k != "temperature"}, extra_body={"temperature": 0}
