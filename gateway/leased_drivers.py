@@ -33,6 +33,38 @@ SCAN_S = 1.0  # how often a gateway looks for jobs nobody drives
 RETRY_S = 1.0  # after a Redis error, before the lease is handed back
 
 
+RENEW_LUA = r"""
+-- KEYS = [lease]; ARGV = [gateway, ms]: 1 while the lease is this gateway's (renewed), else 0
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+RELEASE_LUA = r"""
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class LeaseKeys:
+    """A store's lease keys, one a job: taken with `SET NX PX`, renewed and released only by their
+    holder (a script, so a lease that expired and went to another gateway is not touched)."""
+
+    def __init__(self, redis):
+        self.redis = redis
+        self._renew = redis.register_script(RENEW_LUA)
+        self._release = redis.register_script(RELEASE_LUA)
+
+    async def take(self, key: str, holder: str, ms: int) -> bool:
+        return bool(await self.redis.set(key, holder, nx=True, px=ms))
+
+    async def renew(self, key: str, holder: str, ms: int) -> bool:
+        return bool(await self._renew(keys=[key], args=[holder, ms]))
+
+    async def release(self, key: str, holder: str) -> None:
+        await self._release(keys=[key], args=[holder])
+
+
 class LeasedStore(Protocol):
     """Where a kind of job keeps its active set and its leases (one key a job, `SET NX PX`)."""
 

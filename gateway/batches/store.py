@@ -54,6 +54,8 @@ from protocol.keys import Shard
 from protocol.redis_client import reply_text
 from protocol.request_groups import RequestGroups
 
+from ..leased_drivers import LeaseKeys
+
 RETENTION_S = 30 * 86_400  # ended batches, their results and files are kept this long (OpenAI: 30 days)
 CHUNK = 1000  # items per Redis command when writing or reading many
 OUTCOMES = ("succeeded", "errored", "canceled", "expired")
@@ -112,17 +114,6 @@ end
 return status
 """
 
-RENEW_LUA = r"""
--- KEYS = [lease]; ARGV = [gateway, ms]: 1 while the lease is this gateway's (renewed), else 0
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-RELEASE_LUA = r"""
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 # The writes that must land together, each one script (one slot: the home shard's): a MULTI on a
 # cluster client is sent where its slot map says, and the map can change between a refresh and EXEC.
@@ -275,8 +266,7 @@ class BatchStore:
         self._record = redis.register_script(RECORD_LUA)
         self._record_never_ran = redis.register_script(RECORD_NEVER_RAN_LUA)
         self._cancel = redis.register_script(CANCEL_LUA)
-        self._renew = redis.register_script(RENEW_LUA)
-        self._release = redis.register_script(RELEASE_LUA)
+        self._leases = LeaseKeys(redis)
         self._gone = redis.register_script(GONE_LUA)
         self._record_file = redis.register_script(RECORD_FILE_LUA)
         self._delete_file = redis.register_script(DELETE_FILE_LUA)
@@ -546,13 +536,13 @@ class BatchStore:
     # ------------------------------------------------------------ leases
 
     async def take_lease(self, batch_id: str, gateway_id: str, ms: int) -> bool:
-        return bool(await self.redis.set(self.home.batch_key(batch_id, "lease"), gateway_id, nx=True, px=ms))
+        return await self._leases.take(self.home.batch_key(batch_id, "lease"), gateway_id, ms)
 
     async def renew_lease(self, batch_id: str, gateway_id: str, ms: int) -> bool:
-        return bool(await self._renew(keys=[self.home.batch_key(batch_id, "lease")], args=[gateway_id, ms]))
+        return await self._leases.renew(self.home.batch_key(batch_id, "lease"), gateway_id, ms)
 
     async def release_lease(self, batch_id: str, gateway_id: str) -> None:
-        await self._release(keys=[self.home.batch_key(batch_id, "lease")], args=[gateway_id])
+        await self._leases.release(self.home.batch_key(batch_id, "lease"), gateway_id)
 
     # ------------------------------------------------------------ helpers
 

@@ -50,6 +50,8 @@ from redis.exceptions import ResponseError
 from protocol.keys import Shard
 from protocol.redis_client import reply_text
 
+from ..leased_drivers import LeaseKeys
+
 ID = re.compile(r"resp_[0-9a-f]{32}")
 ENDED = ("completed", "incomplete", "failed", "cancelled")
 
@@ -74,16 +76,6 @@ end
 return state
 """
 
-RENEW_LUA = r"""
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-RELEASE_LUA = r"""
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 SAVE_LUA = r"""
 -- KEYS = [response, active set]; ARGV = [response id, ttl s, "1" if active else "", field, value, ...]
@@ -124,8 +116,7 @@ class ResponseStore:
         self.ttl = ttl
         self._enqueue = redis.register_script(ENQUEUE_LUA)
         self._cancel = redis.register_script(CANCEL_LUA)
-        self._renew = redis.register_script(RENEW_LUA)
-        self._release = redis.register_script(RELEASE_LUA)
+        self._leases = LeaseKeys(redis)
         self._save = redis.register_script(SAVE_LUA)
         self._end = redis.register_script(END_LUA)
         self._delete = redis.register_script(DELETE_LUA)
@@ -219,13 +210,13 @@ class ResponseStore:
         return sorted(reply_text(member) for member in await self.redis.smembers(self.active_key))
 
     async def take_lease(self, response_id: str, gateway_id: str, ms: int) -> bool:
-        return bool(await self.redis.set(self.key(response_id, "lease"), gateway_id, nx=True, px=ms))
+        return await self._leases.take(self.key(response_id, "lease"), gateway_id, ms)
 
     async def renew_lease(self, response_id: str, gateway_id: str, ms: int) -> bool:
-        return bool(await self._renew(keys=[self.key(response_id, "lease")], args=[gateway_id, ms]))
+        return await self._leases.renew(self.key(response_id, "lease"), gateway_id, ms)
 
     async def release_lease(self, response_id: str, gateway_id: str) -> None:
-        await self._release(keys=[self.key(response_id, "lease")], args=[gateway_id])
+        await self._leases.release(self.key(response_id, "lease"), gateway_id)
 
 
 def _pairs(fields: dict[str, Any]) -> list[str | bytes]:
