@@ -28,7 +28,8 @@ system-deps:
 test: install system-deps lint
 	$(BIN)/pytest -q -m "not long"
 
-# the black-box target runs of minutes: ten Redis restarts and ten Sentinel failovers in a row under 16 streams
+# the black-box target runs of minutes: ten Redis restarts and ten Sentinel failovers in a row under 16 streams,
+# and the chaos soak for 2 minutes (make test runs it for 1)
 test-long: install
 	$(BIN)/pytest -q -m long
 
