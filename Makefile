@@ -33,7 +33,7 @@ test: install system-deps lint
 test-long: install
 	$(BIN)/pytest -q -m long
 
-# unit and in-process tests only (no default model, no process-level stacks)
+# unit and in-process tests only, each under ~2 s (no default model, no process-level stacks, no long waits)
 test-fast: install
 	$(BIN)/pytest -q -m "not slow and not system"
 

@@ -126,6 +126,7 @@ async def test_a_request_with_bad_params_errors_alone_and_the_others_run(url):
         assert named in found[custom_id].error.error.message
 
 
+@pytest.mark.slow  # seconds of batch runs: seconds
 async def test_cancelling_keeps_what_finished_and_cancels_the_rest(redis_url, tiny):
     async with (
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),

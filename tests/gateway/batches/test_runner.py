@@ -7,6 +7,7 @@ import contextlib
 from collections import Counter
 
 import openai
+import pytest
 
 import protocol
 from protocol.keys import batch_key
@@ -28,6 +29,7 @@ async def create(client: openai.AsyncOpenAI, count: int, max_tokens: int = 4):
     )
 
 
+@pytest.mark.slow  # seconds of batch runs: seconds
 async def test_items_whose_queue_entries_vanished_run_again(redis_url, redis_client, tiny):
     await announce(redis_client, REAL_MODEL)  # "served": the batch may be created, but no worker reads yet
     async with running_gateway(redis_url) as url:
@@ -57,6 +59,7 @@ async def test_items_whose_queue_entries_vanished_run_again(redis_url, redis_cli
     assert all(line["response"]["request_id"].endswith(".2") for line in lines)
 
 
+@pytest.mark.slow  # 16 items on slowed steps: seconds
 async def test_one_gateway_drives_a_batch_and_another_takes_over_when_it_stops(redis_url, redis_client, tiny):
     lease = None
     async with real_worker(redis_url, slow(tiny, 0.05), max_seqs=2), contextlib.AsyncExitStack() as outer:
