@@ -28,11 +28,12 @@ system-deps:
 test: install system-deps lint
 	$(BIN)/pytest -q -m "not long"
 
-# the black-box target runs of minutes: ten Redis restarts and ten Sentinel failovers in a row under 16 streams
+# the black-box target runs of minutes: ten Redis restarts and ten Sentinel failovers in a row under 16 streams,
+# and the chaos soak for 2 minutes (make test runs it for 1)
 test-long: install
 	$(BIN)/pytest -q -m long
 
-# unit and in-process tests only (no default model, no process-level stacks)
+# unit and in-process tests only, each under ~2 s (no default model, no process-level stacks, no long waits)
 test-fast: install
 	$(BIN)/pytest -q -m "not slow and not system"
 

@@ -1,7 +1,7 @@
 """The chaos soak: mixed traffic through real processes while a fault lands every ~30 s.
 
     python -m bench.soak --minutes 30 --json bench/results/soak.json     # `make soak`
-    python -m bench.soak --minutes 2 --fault-interval 18                  # the version `make test` runs
+    python -m bench.soak --minutes 1 --fault-interval 6                   # the version `make test` runs
 
 A gateway, two workers (the tiny float32 model, steps slowed so faults land mid-stream) and one Redis
 with its append-only file (bench/soak/stack.py). First every (kind, prompt) runs once with no fault:

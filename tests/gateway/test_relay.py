@@ -297,9 +297,11 @@ async def test_a_client_leaving_mid_stream_cancels_the_request(gateway_url, redi
     await announce(redis_client)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
     async with cancels_heard(redis_client) as cancelled, aiohttp.ClientSession() as http:
-        async with http.post(gateway_url + "/v1/chat/completions", json=body) as response:
-            entry_id, request = await take_request(redis_client)  # type: ignore[misc]
-            await publish(redis_client, request, [protocol.delta_event(request.id, 0, "Hi", [1], 0)])
+        # The headers come once a worker admits the request (or after admission_wait): answer it meanwhile.
+        posted = asyncio.create_task(http.post(gateway_url + "/v1/chat/completions", json=body))
+        entry_id, request = await take_request(redis_client)  # type: ignore[misc]
+        await publish(redis_client, request, [protocol.delta_event(request.id, 0, "Hi", [1], 0)])
+        async with await posted as response:
             async for line in response.content:
                 if b'"Hi"' in line:
                     break

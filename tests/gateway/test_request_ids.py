@@ -123,11 +123,12 @@ async def test_the_gateways_cancel_carries_the_token_its_request_names(gateway_u
     await pubsub.subscribe(protocol.CANCEL_CHANNEL)
     body = {**chat("key-a", "order-42")["json"], "stream": True}
     async with aiohttp.ClientSession() as http:
-        async with http.post(
-            gateway_url + "/v1/chat/completions", json=body, headers=chat("key-a", "order-42")["headers"]
-        ) as response:
-            [(entry_id, request)] = await take(redis_client, 1)
-            await publish(redis_client, request, [protocol.delta_event(request.id, 0, "Hi", [1], 0)])
+        # The headers come once a worker admits the request (or after admission_wait): answer it meanwhile.
+        headers = chat("key-a", "order-42")["headers"]
+        posted = asyncio.create_task(http.post(gateway_url + "/v1/chat/completions", json=body, headers=headers))
+        [(entry_id, request)] = await take(redis_client, 1)
+        await publish(redis_client, request, [protocol.delta_event(request.id, 0, "Hi", [1], 0)])
+        async with await posted as response:
             async for line in response.content:
                 if b'"Hi"' in line:
                     break

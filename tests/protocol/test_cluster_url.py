@@ -10,6 +10,7 @@ request's shard fixed by crc32 of its id, as docs/protocol.md tells foreign prod
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections import Counter
 
@@ -218,10 +219,15 @@ def _floor_ranges(primaries: int) -> list[tuple[int, int]]:
     return [(r.start, r.stop - 1) for r in (_range(index, primaries) for index in range(primaries))]
 
 
+@functools.cache
+def _shard_slots(count: int) -> tuple[int, ...]:
+    """The hash slot of each of `count` shards' tags (searched for by `sharded`: computed once per count)."""
+    return tuple(_slot(f"{{{shard.tag}}}") for shard in sharded(count).shards)
+
+
 def _shards_per_primary(count: int, ranges: list[tuple[int, int]]) -> Counter:
     owners = Counter()
-    for shard in sharded(count).shards:
-        slot = _slot(f"{{{shard.tag}}}")
+    for slot in _shard_slots(count):
         owners[next(i for i, (first, last) in enumerate(ranges) if first <= slot <= last)] += 1
     return owners
 

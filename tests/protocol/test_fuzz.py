@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,6 +64,7 @@ def test_random_bytes(raw):
     decode_or_refuse(raw)
 
 
+@pytest.mark.slow  # 500 examples: seconds
 @settings(max_examples=500, deadline=None)
 @given(maps)
 def test_random_maps(data):

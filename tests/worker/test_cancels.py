@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
+
 import protocol
 from tests.support.worker_harness import (
     chat_request,
@@ -75,6 +77,7 @@ async def test_an_early_cancel_reaches_only_the_request_with_its_token(tiny, red
     assert cancelled[-1]["finish_reason"] == "cancelled" and len(streamed_tokens(cancelled)) < 200
 
 
+@pytest.mark.slow  # 40,000 cancels: seconds
 async def test_a_flood_of_cancels_for_unknown_ids_does_not_hold_up_a_real_one(tiny, redis_url, redis_client):
     """40 000 cancels for ids no worker holds, then one for a running request: all of it must be done
     in seconds. (Rebuilding the memory on every cancel cost O(remembered ids): about 50 s of loop here.)

@@ -8,7 +8,7 @@ from protocol import SamplingParams
 from tests.support.engine_runs import generate, greedy
 from tests.support.reference_data import comparable_steps, load_reference
 from worker.engine import GenRequest
-from worker.model.loader import LoadedModel, load_model
+from worker.model.loader import LoadedModel
 from worker.prompt import build_prompt_ids
 
 # Real work: 13 s on 2 idle cores, over 100 s with the cores busy. A hang fails sooner, in
@@ -18,8 +18,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def model() -> LoadedModel:
-    return load_model(None, dtype="float32", quant="none", device="cpu")
+def model(default_model: LoadedModel) -> LoadedModel:
+    """The session's float32 default model (tests/conftest.py): engines only read a model's weights."""
+    return default_model
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,7 @@ def build(specs: list[dict]) -> tuple[list[GenRequest], dict[str, int], dict[str
     max_seqs=st.integers(1, 5),
     step_tokens=st.integers(1, 24),
 )
+@pytest.mark.slow  # 50 random workloads: seconds
 def test_random_workloads_free_every_page_and_finish_every_request_once(
     model: LoadedModel, specs: list[dict], pages: int, max_seqs: int, step_tokens: int
 ) -> None:

@@ -263,6 +263,7 @@ def test_masked_rows_sample_only_allowed_tokens_and_other_rows_are_untouched(
     top_k=st.sampled_from([0, 3, 40]),
     top_p=st.sampled_from([1.0, 0.9, 0.5]),
 )
+@pytest.mark.slow  # many constrained answers: seconds
 def test_constrained_output_always_parses_and_validates(
     model: LoadedModel, seed: int, temperature: float, top_k: int, top_p: float
 ) -> None:

@@ -75,9 +75,9 @@ def _teacher_forced_decodes(backend: CpuNativeBackend, cases: list[dict]) -> lis
 
 
 @pytest.mark.slow
-def test_native_steps_stay_close_to_float32(int4_model: CpuNativeBackend) -> None:
+def test_native_steps_stay_close_to_float32(int4_model: CpuNativeBackend, default_model: LoadedModel) -> None:
     reference = load_reference()
-    float32 = load_model(dtype="float32", quant="none", device="cpu")
+    float32 = default_model  # the session's float32 load (tests/conftest.py)
     base = chat_logits(float32, reference["chat"])
     native = _teacher_forced_decodes(int4_model, reference["chat"])
     quality = compare(base, native)

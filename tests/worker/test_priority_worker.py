@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
+
 import protocol
 from protocol import REQUEST_GROUP
 from tests.support.batch_files import slow
@@ -46,6 +48,7 @@ async def all_acknowledged(redis) -> bool:
     return True
 
 
+@pytest.mark.slow  # four 150-token answers on slowed steps: seconds
 async def test_an_interactive_request_overtakes_a_worker_full_of_batch_work(tiny, redis_url, redis_client):
     config = worker_config(redis_url, "w1", max_seqs=2, claim_idle_ms=60_000)
     async with running_worker(config, slow(tiny, 0.02)) as worker:

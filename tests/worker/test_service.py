@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import subprocess
 
+import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -150,6 +151,7 @@ async def test_retry_limit_moves_the_entry_to_the_dead_letters(tiny, redis_url, 
     assert protocol.decode_request(fields[b"msg"]).id == "cursed"
 
 
+@pytest.mark.slow  # waits for a 3 s deadline: seconds
 async def test_a_request_past_its_deadline_while_running_times_out(tiny, redis_url, redis_client):
     # 200 steps of at least 0.1 s cannot finish within the 3 s deadline, and 3 s leave a loaded
     # machine time to start the request and stream some of it first (within 0.5 s it might not).

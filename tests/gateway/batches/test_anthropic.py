@@ -124,6 +124,7 @@ async def test_structured_output_is_answered_as_the_live_endpoint_answers(url):
     # then spend the tokens on the blank space the grammar allows)
 
 
+@pytest.mark.slow  # seconds of batch runs: seconds
 async def test_cancelling_keeps_what_finished_and_cancels_the_rest(redis_url, tiny):
     async with (
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),

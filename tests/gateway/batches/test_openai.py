@@ -195,6 +195,7 @@ async def test_batches_are_listed_newest_first_page_by_page(url):
         await openai_batch_end(client, batch_id)
 
 
+@pytest.mark.slow  # seconds of batch runs: seconds
 async def test_cancelling_mid_way_keeps_finished_answers_and_cancels_the_rest(redis_url, tiny):
     async with (
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
@@ -217,6 +218,7 @@ async def test_cancelling_mid_way_keeps_finished_answers_and_cancels_the_rest(re
     assert all(line["error"]["code"] == "batch_cancelled" and line["response"] is None for line in failed)
 
 
+@pytest.mark.slow  # waits for the window: seconds
 async def test_a_batch_past_its_window_expires_its_unfinished_items(redis_url, tiny):
     async with (
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),

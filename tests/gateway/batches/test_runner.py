@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
+import pytest
+
 import protocol
 from protocol.keys import batch_key
 from tests.support.batch_files import chat_line, create_batch, file_lines, openai_batch_end, openai_client, poll, slow
@@ -18,6 +20,7 @@ def numbered(count: int, max_tokens: int = 4) -> list[dict]:
     return [chat_line(f"r{i}", f"Say {i}", max_tokens=max_tokens) for i in range(count)]
 
 
+@pytest.mark.slow  # seconds of batch runs: seconds
 async def test_items_whose_queue_entries_vanished_run_again(redis_url, redis_client, tiny):
     await announce(redis_client, REAL_MODEL)  # "served": the batch may be created, but no worker reads yet
     async with running_gateway(redis_url) as url:
@@ -47,6 +50,7 @@ async def test_items_whose_queue_entries_vanished_run_again(redis_url, redis_cli
     assert all(line["response"]["request_id"].endswith(".2") for line in lines)
 
 
+@pytest.mark.slow  # 16 items on slowed steps: seconds
 async def test_one_gateway_drives_a_batch_and_another_takes_over_when_it_stops(redis_url, redis_client, tiny):
     lease = None
     async with real_worker(redis_url, slow(tiny, 0.05), max_seqs=2), contextlib.AsyncExitStack() as outer:
@@ -54,7 +58,7 @@ async def test_one_gateway_drives_a_batch_and_another_takes_over_when_it_stops(r
         for name in ("gw-a", "gw-b"):
             stack = await outer.enter_async_context(contextlib.AsyncExitStack())
             gateways[name] = (stack, await stack.enter_async_context(running_gateway(redis_url, gateway_id=name)))
-        batch = await create_batch(openai_client(gateways["gw-a"][1]), numbered(40, max_tokens=8))
+        batch = await create_batch(openai_client(gateways["gw-a"][1]), numbered(16, max_tokens=8))  # 4 before the stop
         lease = batch_key(batch.id, "lease")
         holder = (await poll(lambda: redis_client.get(lease), what="a gateway to take the lease")).decode()
         other = "gw-b" if holder == "gw-a" else "gw-a"
@@ -68,8 +72,8 @@ async def test_one_gateway_drives_a_batch_and_another_takes_over_when_it_stops(r
         await poll(taken_over, what=f"{other} to take the batch over")
         done = await openai_batch_end(client, batch.id)
         lines = await file_lines(client, done.output_file_id)
-    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (40, 0)
-    assert Counter(line["custom_id"] for line in lines) == Counter(f"r{i}" for i in range(40))
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (16, 0)
+    assert Counter(line["custom_id"] for line in lines) == Counter(f"r{i}" for i in range(16))
 
 
 async def _some_finished(client, batch_id: str) -> bool:

@@ -35,6 +35,7 @@ async def not_found(call) -> None:
         await call
 
 
+@pytest.mark.slow  # seconds of batch runs: seconds
 async def test_another_key_can_neither_see_nor_use_nor_remove_a_keys_files_and_batches(redis_url, redis_client, tiny):
     async with (
         real_worker(redis_url, slow(tiny, 0.05), max_seqs=2),
@@ -138,6 +139,7 @@ async def test_a_malformed_id_in_the_url_is_a_404_and_never_reaches_redis(redis_
         await openai_batch_end(client, batch.id)
 
 
+@pytest.mark.slow  # waits for the token budget: seconds
 async def test_a_batch_counts_against_its_keys_token_limit_and_waits_for_the_budget(redis_url, redis_client, tiny):
     """A key limited to 100 tokens a minute ran 10,000 through a batch and was charged 32 (issue 28, item 7):
     now each item's real tokens are charged to the batch's key, and items wait while the key is over."""

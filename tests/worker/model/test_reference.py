@@ -68,8 +68,9 @@ def _greedy_chats(loaded: LoadedModel, cases: list[dict], steps: int = 32, page_
 
 
 @pytest.fixture(scope="module")
-def float32_model() -> LoadedModel:
-    return load_model(dtype="float32", quant="none", device="cpu")
+def float32_model(default_model: LoadedModel) -> LoadedModel:
+    """The session's float32 default model (tests/conftest.py), not a load of its own: the tests only read it."""
+    return default_model
 
 
 @pytest.fixture(scope="module")
