@@ -325,6 +325,12 @@ def node_figures(nodes: list[tuple[float, dict]], wall: float) -> list[dict]:
             "utilisation": cpu / wall,
             "cpu_share": cpu / total if total > 0 else None,
             "evalsha_calls": commands.get("evalsha", {}).get("calls", 0),
+            "top_commands": {
+                name: values
+                for name, values in sorted(commands.items(), key=lambda item: item[1]["usec"], reverse=True)[
+                    :TOP_COMMANDS
+                ]
+            },
         }
         for cpu, commands in nodes
     ]

@@ -72,6 +72,7 @@ def test_cluster_nodes_get_shares_and_the_busiest_node_decides_the_limit():
     assert level["utilisation"]["redis"] == pytest.approx(0.4), "the mean over the three nodes"
     assert [n["cpu_share"] for n in level["redis_nodes"]] == pytest.approx([1.9 / 2.4, 0.4 / 2.4, 0.1 / 2.4])
     assert [n["evalsha_calls"] for n in level["redis_nodes"]] == [50, 30, 0]
+    assert list(level["redis_nodes"][0]["top_commands"]) == ["evalsha", "publish"]
     assert level["redis_max_node_utilisation"] == pytest.approx(0.95)
     assert level["limit"].startswith("redis (0.95"), "one full node fills the cluster though the mean is 0.4"
 
@@ -134,7 +135,7 @@ def test_a_cluster_run_reports_every_node_and_spreads_the_step_scripts_over_all_
     assert (level["completed"], level["errors"], level["output_tokens"]) == (24, 0, 96)
     nodes = level["redis_nodes"]
     assert len(nodes) == 3 and all(
-        set(node) == {"cpu_s", "utilisation", "cpu_share", "evalsha_calls"} for node in nodes
+        set(node) == {"cpu_s", "utilisation", "cpu_share", "evalsha_calls", "top_commands"} for node in nodes
     )
     if level["cpu_s"]["redis"] > 0:  # CPU time is counted in clock ticks (10 ms): a short level may show none
         assert sum(node["cpu_share"] for node in nodes) == pytest.approx(1.0)
