@@ -79,6 +79,7 @@ TOKENS_UNIT = 10_000
 SATURATED = 0.9  # a process at this share of one core, or a machine at this share of its cores, is full
 TOP_COMMANDS = 6
 BALANCE_SAMPLE_S = 0.05
+IDLE_S = 3.0  # how long each layout's Redis CPU is measured with nothing streaming
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,18 +242,53 @@ def capacity_figures(one: dict, cluster: dict) -> dict:
         "busiest_ms_per_10k": busiest_ms,
         "capacity": one_ms / busiest_ms,
         "node_balance": busiest / min(node["cpu_s"] for node in nodes),
+        **beyond_idle(one, cluster),
+    }
+
+
+def beyond_idle(one: dict, cluster: dict) -> dict:
+    """The same ratio with each node's idle CPU (measured before the levels: the cluster bus, heartbeats,
+    readers' timeouts) taken out of its level's: what grows with tokens, which is what fills a node at
+    saturation, where the idle part is a vanishing share. Absent without idle figures."""
+    if "redis_idle_cpu_per_s" not in one or "redis_idle_cpu_per_s" not in cluster:
+        return {}
+
+    def per_10k_ms(level: dict) -> list[float]:
+        idle, wall = level["redis_idle_cpu_per_s"], level["wall_s"]
+        return [(node["cpu_s"] - rate * wall) * TOKENS_UNIT / level["output_tokens"] * 1000
+                for node, rate in zip(level["redis_nodes"], idle)]  # fmt: skip
+
+    one_ms, cluster_ms = sum(per_10k_ms(one)), per_10k_ms(cluster)
+    if one_ms <= 0 or max(cluster_ms) <= 0:
+        return {}
+    return {
+        "idle_ms_per_s": {
+            "one_redis": one["redis_idle_cpu_per_s"][0] * 1000,
+            "cluster": [rate * 1000 for rate in cluster["redis_idle_cpu_per_s"]],
+        },  # fmt: skip
+        "one_redis_beyond_idle_ms_per_10k": one_ms,
+        "busiest_beyond_idle_ms_per_10k": max(cluster_ms),
+        "capacity_beyond_idle": one_ms / max(cluster_ms),
     }
 
 
 def capacity_line(figures: dict, round_number: int) -> str:
     if figures["capacity"] is None:
         return f"{figures['streams']:>7} streams, round {round_number}: no capacity (no tokens or no CPU measured)"
-    return (
+    line = (
         f"{figures['streams']:>7} streams, round {round_number}: capacity = one Redis's CPU per 10k tokens ÷ the busiest"
         f" node's = {figures['one_redis_ms_per_10k']:.0f} ms ÷ {figures['busiest_ms_per_10k']:.0f} ms"
         f" ({figures['busiest_share'] * 100:.0f}% of the cluster's {figures['cluster_ms_per_10k']:.0f} ms)"
         f" = {figures['capacity']:.2f}× one Redis; busiest node ÷ idlest {figures['node_balance']:.2f}"
     )
+    if "capacity_beyond_idle" in figures:
+        idle = figures["idle_ms_per_s"]
+        line += (
+            f"\n{'':>7}          beyond idle CPU (one Redis {idle['one_redis']:.1f} ms/s, nodes"
+            f" {' '.join(f'{rate:.1f}' for rate in idle['cluster'])} ms/s): {figures['one_redis_beyond_idle_ms_per_10k']:.0f} ms"
+            f" ÷ {figures['busiest_beyond_idle_ms_per_10k']:.0f} ms = {figures['capacity_beyond_idle']:.2f}× one Redis"
+        )
+    return line
 
 
 def balance_line(level: dict) -> str:
@@ -390,6 +426,7 @@ class Layout:
         self.stats = RedisCommandStats([node.url for node in services.redis_nodes])
         self.prompt = itertools.count()
         self.streams_of_model: list[str] = []
+        self.idle_cpu_per_s: list[float] = []  # each node's, with everything up and nothing streaming
 
     async def warm_up(self) -> None:
         model = await self.clients[0].first_model()
@@ -402,11 +439,17 @@ class Layout:
         ]
         await run_level(self.spread, [self.body(4) for _ in range(2 * len(self.clients))], len(self.clients),
                         self.args.level_timeout)  # fmt: skip
+        before = self.services.redis_node_cpu()
+        await asyncio.sleep(IDLE_S)
+        self.idle_cpu_per_s = [(after - cpu) / IDLE_S for cpu, after in zip(before, self.services.redis_node_cpu())]
 
     def body(self, max_tokens: int) -> dict:  # every request a question not sent before
         return self.clients[0].chat_body([{"role": "user", "content": question(next(self.prompt))}], max_tokens, True)
 
     async def level(self, streams: int) -> dict:
+        return await self._level(streams) | {"redis_idle_cpu_per_s": self.idle_cpu_per_s}
+
+    async def _level(self, streams: int) -> dict:
         args = self.args
         bodies = [self.body(args.max_tokens) for _ in range(streams * args.requests_per_stream)]
         if not args.balance:

@@ -166,6 +166,15 @@ def test_capacity_is_one_redis_cpu_per_token_over_the_busiest_nodes():
     assert figures["node_balance"] == pytest.approx(1.5)
     assert "300 ms ÷ 120 ms" in redis_saturation.capacity_line(figures, 1)
     assert redis_saturation.capacity_figures(one, level(20_000, [0.2, 0.0, 0.1]))["capacity"] is None
+    assert "capacity_beyond_idle" not in figures, "no idle figures measured"
+
+    idle_one = one | {"redis_idle_cpu_per_s": [0.05]}  # 2 s at 50 ms/s: 100 of its 300 ms are idle
+    idle_cluster = cluster | {"redis_idle_cpu_per_s": [0.02, 0.0, 0.0]}  # the busiest: 240 - 40 ms
+    beyond = redis_saturation.capacity_figures(idle_one, idle_cluster)
+    assert beyond["one_redis_beyond_idle_ms_per_10k"] == pytest.approx(200)
+    assert beyond["busiest_beyond_idle_ms_per_10k"] == pytest.approx(100)
+    assert beyond["capacity_beyond_idle"] == pytest.approx(2.0)
+    assert "200 ms ÷ 100 ms = 2.00×" in redis_saturation.capacity_line(beyond, 1)
 
 
 def test_balance_counts_only_samples_with_requests_waiting():
