@@ -8,7 +8,8 @@ Starts an embedded Redis, N `lmq gateway` processes and M workers whose model an
 (bench/harness/stub_services.py), so that no model cost hides the queue's. Each level runs
 streams × --requests-per-stream streaming chat completions from that many closed-loop streams,
 spread over the gateways in turn. Per level it reports streamed tokens/s, requests/s and errors; the
-CPU seconds of Redis, the gateways, the workers and this client, and each one's utilisation (CPU
+CPU seconds of Redis (each node's INFO used_cpu_sys + used_cpu_user), the gateways, the workers
+and this client, and each one's utilisation (CPU
 seconds ÷ wall seconds, per process: a single-threaded Redis or asyncio process saturates near
 1.0); the CPU each costs per 10k streamed tokens; how many cores of the machine were busy in all
 (other work included); and Redis's own INFO commandstats, which say what its time went on.
@@ -79,7 +80,7 @@ TOKENS_UNIT = 10_000
 SATURATED = 0.9  # a process at this share of one core, or a machine at this share of its cores, is full
 TOP_COMMANDS = 6
 BALANCE_SAMPLE_S = 0.05
-IDLE_S = 3.0  # how long each layout's Redis CPU is measured with nothing streaming
+IDLE_S = 5.0  # how long each layout's Redis CPU is measured with nothing streaming
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +133,14 @@ class RedisCommandStats:
         import redis
 
         self.clients = [redis.Redis.from_url(url) for url in node_urls]
+
+    def cpu_seconds(self) -> list[float]:
+        """Each node's CPU seconds so far, as it reports them (INFO used_cpu_sys + used_cpu_user: getrusage,
+        finer than the 10 ms ticks of /proc, which a 5 s idle measurement or a short level would round away)."""
+        return [
+            sum(float(client.info("cpu")[name]) for name in ("used_cpu_sys", "used_cpu_user"))
+            for client in self.clients
+        ]
 
     def reset(self) -> None:
         for client in self.clients:
@@ -387,13 +396,14 @@ async def measured_level(services: StubServices, stats: RedisCommandStats, sprea
                          sampler: BalanceSampler | None = None) -> dict:  # fmt: skip
     """One level's requests, and what they cost: every process's CPU seconds, each Redis node's, and its commands."""
     stats.reset()
-    cpu_before, nodes_before, busy_before = services.cpu(), services.redis_node_cpu(), machine_busy_seconds()
+    cpu_before, nodes_before, busy_before = services.cpu(), stats.cpu_seconds(), machine_busy_seconds()
     if sampler is not None:
         sampler.samples.clear()
     results, wall = await run_level(spread, bodies, streams, args.level_timeout)
-    cpu_after, nodes_after = services.cpu(), services.redis_node_cpu()
+    cpu_after, nodes_after = services.cpu(), stats.cpu_seconds()
     busy = (machine_busy_seconds() - busy_before) / max(wall, 1e-9)
     cpu_s = {name: cpu_after[name] - cpu_before[name] for name in COMPONENTS}
+    cpu_s["redis"] = sum(nodes_after) - sum(nodes_before)  # the nodes' own count, as below
     per_node = stats.read()
     nodes = [(after - before, commands) for before, after, commands in zip(nodes_before, nodes_after, per_node)]
     level = level_figures(
@@ -439,9 +449,9 @@ class Layout:
         ]
         await run_level(self.spread, [self.body(4) for _ in range(2 * len(self.clients))], len(self.clients),
                         self.args.level_timeout)  # fmt: skip
-        before = self.services.redis_node_cpu()
+        before = self.stats.cpu_seconds()
         await asyncio.sleep(IDLE_S)
-        self.idle_cpu_per_s = [(after - cpu) / IDLE_S for cpu, after in zip(before, self.services.redis_node_cpu())]
+        self.idle_cpu_per_s = [(after - cpu) / IDLE_S for cpu, after in zip(before, self.stats.cpu_seconds())]
 
     def body(self, max_tokens: int) -> dict:  # every request a question not sent before
         return self.clients[0].chat_body([{"role": "user", "content": question(next(self.prompt))}], max_tokens, True)
