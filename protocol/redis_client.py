@@ -115,6 +115,31 @@ class _RedisCluster(RedisCluster):
         except AttributeError as exc:
             raise ConnectionError(f"the connection was closed under the command ({exc})") from exc
 
+    async def _determine_slot(self, command: str, *args):
+        """XREAD and XREADGROUP routed by their streams' slot here. redis-py asks the server for the keys
+        of a command whose keys move (COMMAND GETKEYS, a round trip to one node) before every such
+        read: on a cluster with 6 workers, ~1,000 extra calls per 10k tokens, all on one node."""
+        keys = stream_read_keys(command, args)
+        if keys:
+            slots = {self.keyslot(key) for key in keys}
+            if len(slots) == 1:
+                return slots.pop()
+        return await super()._determine_slot(command, *args)
+
+
+def stream_read_keys(command: str | bytes, args: tuple) -> list:
+    """The stream keys of an XREAD or XREADGROUP (the first half of what follows STREAMS), else []."""
+    name = command.decode() if isinstance(command, bytes) else str(command)
+    first = {"XREAD": 0, "XREADGROUP": 3}.get(name.upper())  # XREADGROUP GROUP <group> <consumer> ...
+    if first is None:
+        return []
+    words = [arg.decode() if isinstance(arg, bytes) else str(arg) for arg in args[first:]]
+    upper = [word.upper() for word in words]
+    if "STREAMS" not in upper:
+        return []
+    rest = args[first + upper.index("STREAMS") + 1 :]
+    return list(rest[: len(rest) // 2]) if rest and len(rest) % 2 == 0 else []
+
 
 def reply_text(value: bytes | str | None) -> str:
     """A reply's value as text: the clients here answer bytes; a str passes, None is ""."""

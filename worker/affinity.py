@@ -14,6 +14,14 @@ it has read them, or on one Redis (one shard), a worker prefers every shard.
 What stays: the pull model's load balancing. A worker's reader on another's shard reads as soon as
 every one of the worker's own lanes of that priority found nothing at its last read, so a worker
 whose shards are empty takes from a backlog anywhere, and no worker idles while another has one.
+
+Why another's shard is read DEFER_S late: a pull reader drains its stream at every read, so "found
+nothing" is the normal state of an own lane, and a worker with free slots would race the shard's
+own worker for every new entry: with W >= K workers each one's steps would touch every shard,
+though every shard has a worker waiting on it. Reading another's shard only DEFER_S after it
+showed a new entry leaves that entry to its own worker (blocked on that stream, it reads in well
+under a millisecond), and what is still there after DEFER_S is a backlog: the shard's worker is
+full, stopped or gone. So no worker idles for more than DEFER_S while another has a backlog.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from worker.claims import Lane
 log = logging.getLogger(__name__)
 
 FOLLOW_INTERVAL_S = 5.0
+DEFER_S = 0.05  # how long a new entry in another's shard is left to that shard's own worker
 
 
 class ShardAffinity:
@@ -58,13 +67,21 @@ class ShardAffinity:
     def may_read(self, lane: str) -> bool:
         """A lane of a preferred shard always; another only while every own lane of its priority is empty."""
         this = self.lanes[lane]
-        if this.shard.index in self.preferred:
+        if self.preferred_lane(lane):
             return True
         return all(
             self._found_nothing[name]
             for name, other in self.lanes.items()
             if other.priority == this.priority and other.shard.index in self.preferred
         )
+
+    def preferred_lane(self, lane: str) -> bool:
+        return self.lanes[lane].shard.index in self.preferred
+
+    async def defer(self, lane: str) -> None:
+        """Before reading another's shard: DEFER_S, for its own worker to take what is new."""
+        if not self.preferred_lane(lane):
+            await asyncio.sleep(DEFER_S)
 
     def found(self, lane: str, anything: bool) -> None:
         """What a lane's last read found; a lane of ours found empty may let another shard's reader go."""

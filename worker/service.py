@@ -195,6 +195,9 @@ class Worker:
             if not self.affinity.may_read(lane):  # another worker's shard, while ours have work
                 await self.affinity.changed()
                 continue
+            await self.affinity.defer(lane)  # another's shard: its own worker first
+            if not self.affinity.may_read(lane):
+                continue
             slots = self.budget.take(self._room_for(priority))
             if slots <= 0:
                 self._room.clear()

@@ -8,7 +8,8 @@ Starts an embedded Redis, N `lmq gateway` processes and M workers whose model an
 (bench/harness/stub_services.py), so that no model cost hides the queue's. Each level runs
 streams × --requests-per-stream streaming chat completions from that many closed-loop streams,
 spread over the gateways in turn. Per level it reports streamed tokens/s, requests/s and errors; the
-CPU seconds of Redis, the gateways, the workers and this client, and each one's utilisation (CPU
+CPU seconds of Redis (each node's INFO used_cpu_sys + used_cpu_user), the gateways, the workers
+and this client, and each one's utilisation (CPU
 seconds ÷ wall seconds, per process: a single-threaded Redis or asyncio process saturates near
 1.0); the CPU each costs per 10k streamed tokens; how many cores of the machine were busy in all
 (other work included); and Redis's own INFO commandstats, which say what its time went on.
@@ -25,18 +26,39 @@ its busiest node is, not when the mean one is, so each level also reports every 
 and EVALSHA calls, and the busiest node's utilisation decides `limit`. A worker writes each step
 with one script call per shard the step touches, so on a cluster the calls per token rise and with
 them the fixed per-call cost; that, not the per-token cost, is what sharding adds.
+
+`--versus-one-redis` (with `--cluster`) runs the same levels on one Redis too, in the same run and
+with the same code: both layouts are up at once and each level runs on one, then the other, for
+`--rounds` rounds, the order reversed every other round (this machine's load drifts by tens of
+percent within minutes). It prints per level what the cluster carries against one Redis, derived from CPU per token rather than from tokens/s (which on a
+small machine measures the machine):
+
+    capacity (× one Redis) = one Redis's CPU per 10k tokens ÷ the busiest node's CPU per 10k tokens
+
+A Redis is full at one core, so one Redis carries 10k tokens/s ÷ its CPU per 10k tokens, and a
+cluster as many as its busiest node does: the ratio of the two. Beside it, the nodes' balance
+(the busiest node's CPU over the idlest's).
+
+`--balance` samples, every 50 ms of each level, each request stream's length and its entries
+pending per consumer (XLEN, XPENDING; so its own commands are in that run's Redis figures): with
+`--max-seqs` below streams ÷ workers a backlog builds, and the pull model's promise is that no
+worker has a free slot while requests wait. Per worker it prints, over the samples with a
+backlog, the share in which it held nothing (idle while requests waited), the share in which it
+held all its slots, and the mean share of its slots it held.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import itertools
 import json
 import os
 import platform
 import sys
+import threading
 from pathlib import Path
 
 import aiohttp
@@ -47,13 +69,18 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 from bench.harness.client import ChatClient
 from bench.harness.prompts import question
 from bench.harness.stats import RequestResult, summarize
-from bench.harness.stub_services import StubServices
+from bench.harness.stub_services import STUB_MAX_SEQS, StubServices
 from bench.service.serve import int_list, run_level
+from protocol import REQUEST_GROUP
+from protocol.keys import BATCH, INTERACTIVE
+from protocol.redis_client import connect_sync
 
 COMPONENTS = ("redis", "gateway", "worker", "client")
 TOKENS_UNIT = 10_000
 SATURATED = 0.9  # a process at this share of one core, or a machine at this share of its cores, is full
 TOP_COMMANDS = 6
+BALANCE_SAMPLE_S = 0.05
+IDLE_S = 5.0  # how long each layout's Redis CPU is measured with nothing streaming
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster", type=int, default=0, metavar="P", help="P primaries of an embedded Redis Cluster (0: one Redis)"
     )
     parser.add_argument("--shards", type=int, metavar="K", help="request shards on the cluster (default 2×P)")
+    parser.add_argument(
+        "--versus-one-redis", action="store_true",
+        help="with --cluster: run one Redis too, layouts alternated, and derive the cluster's capacity",
+    )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="with --versus-one-redis: rounds of both layouts")
+    parser.add_argument("--max-seqs", type=int, default=STUB_MAX_SEQS, help="each stub worker's slots")
+    parser.add_argument("--balance", action="store_true", help="sample backlog and slots held per worker")
     parser.add_argument("--logs", type=Path, default=Path("bench/results/logs"))
     parser.add_argument("--json", type=Path)
     return parser
@@ -99,6 +133,14 @@ class RedisCommandStats:
         import redis
 
         self.clients = [redis.Redis.from_url(url) for url in node_urls]
+
+    def cpu_seconds(self) -> list[float]:
+        """Each node's CPU seconds so far, as it reports them (INFO used_cpu_sys + used_cpu_user: getrusage,
+        finer than the 10 ms ticks of /proc, which a 5 s idle measurement or a short level would round away)."""
+        return [
+            sum(float(client.info("cpu")[name]) for name in ("used_cpu_sys", "used_cpu_user"))
+            for client in self.clients
+        ]
 
     def reset(self) -> None:
         for client in self.clients:
@@ -128,6 +170,151 @@ def summed(per_node: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int
             entry["calls"] += values["calls"]
             entry["usec"] += values["usec"]
     return total
+
+
+class BalanceSampler:
+    """Every BALANCE_SAMPLE_S, from a thread of its own: the entries waiting in the request streams
+    (their length less those pending: a finished entry is deleted) and the entries each worker holds
+    (pending for it). `figures` says, per worker, how often it held all its slots while some waited."""
+
+    def __init__(self, redis_url: str, streams: list[str], workers: list[str]):
+        self.client = connect_sync(redis_url)
+        self.streams = streams
+        self.workers = workers
+        self.samples: list[tuple[int, dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="balance", daemon=True)
+
+    def __enter__(self) -> BalanceSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.client.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(BALANCE_SAMPLE_S):
+            self.samples.append(self.sample())
+
+    def sample(self) -> tuple[int, dict[str, int]]:
+        waiting, held = 0, dict.fromkeys(self.workers, 0)
+        for stream in self.streams:
+            summary = self.client.xpending(stream, REQUEST_GROUP)
+            waiting += self.client.xlen(stream) - summary["pending"]
+            for consumer in summary["consumers"] or []:
+                name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+                held[name] = held.get(name, 0) + int(consumer["pending"])
+        return waiting, held
+
+    def figures(self, max_seqs: int) -> dict:
+        return balance_figures(self.samples, self.workers, max_seqs)
+
+
+def balance_figures(samples: list[tuple[int, dict[str, int]]], workers: list[str], max_seqs: int) -> dict:
+    """Over the samples with entries waiting, per worker: the share in which it held nothing (idle while
+    requests waited: what the pull model must never let last), the share in which it held all
+    `max_seqs` slots, and the mean share of its slots it held. With no backlog at all, None."""
+    backlog = [held for waiting, held in samples if waiting > 0]
+
+    def share(test) -> float | None:
+        return sum(test(held) for held in backlog) / len(backlog) if backlog else None
+
+    per_worker = {
+        worker: {
+            "idle_share": share(lambda held: held.get(worker, 0) == 0),
+            "full_share": share(lambda held: held.get(worker, 0) >= max_seqs),
+            "held_share": share(lambda held: held.get(worker, 0) / max_seqs),
+        }
+        for worker in workers
+    }
+    return {"samples": len(samples), "backlog_samples": len(backlog), "max_seqs": max_seqs, "workers": per_worker}
+
+
+def capacity_figures(one: dict, cluster: dict) -> dict:
+    """What a cluster carries against one Redis at one level, from CPU per token: one Redis is full at
+    one core, the cluster when its busiest node is, so the ratio of their CPU per 10k tokens."""
+    one_ms = one["cpu_s_per_10k_tokens"]["redis"]
+    tokens = cluster["output_tokens"]
+    nodes = cluster["redis_nodes"]
+    if not one_ms or not tokens or not all(node["cpu_s"] > 0 for node in nodes):
+        return {"streams": cluster["concurrency"], "capacity": None}
+    one_ms *= 1000
+    busiest = max(node["cpu_s"] for node in nodes)
+    busiest_ms = busiest * TOKENS_UNIT / tokens * 1000
+    return {
+        "streams": cluster["concurrency"],
+        "one_redis_ms_per_10k": one_ms,
+        "cluster_ms_per_10k": cluster["cpu_s_per_10k_tokens"]["redis"] * 1000,
+        "busiest_share": busiest / cluster["cpu_s"]["redis"],
+        "busiest_ms_per_10k": busiest_ms,
+        "capacity": one_ms / busiest_ms,
+        "node_balance": busiest / min(node["cpu_s"] for node in nodes),
+        **beyond_idle(one, cluster),
+    }
+
+
+def beyond_idle(one: dict, cluster: dict) -> dict:
+    """The same ratio with each node's idle CPU (measured before the levels: the cluster bus, heartbeats,
+    readers' timeouts) taken out of its level's: what grows with tokens, which is what fills a node at
+    saturation, where the idle part is a vanishing share. Absent without idle figures."""
+    if "redis_idle_cpu_per_s" not in one or "redis_idle_cpu_per_s" not in cluster:
+        return {}
+
+    def per_10k_ms(level: dict) -> list[float]:
+        idle, wall = level["redis_idle_cpu_per_s"], level["wall_s"]
+        return [(node["cpu_s"] - rate * wall) * TOKENS_UNIT / level["output_tokens"] * 1000
+                for node, rate in zip(level["redis_nodes"], idle)]  # fmt: skip
+
+    one_ms, cluster_ms = sum(per_10k_ms(one)), per_10k_ms(cluster)
+    if one_ms <= 0 or max(cluster_ms) <= 0:
+        return {}
+    return {
+        "idle_ms_per_s": {
+            "one_redis": one["redis_idle_cpu_per_s"][0] * 1000,
+            "cluster": [rate * 1000 for rate in cluster["redis_idle_cpu_per_s"]],
+        },  # fmt: skip
+        "one_redis_beyond_idle_ms_per_10k": one_ms,
+        "busiest_beyond_idle_ms_per_10k": max(cluster_ms),
+        "capacity_beyond_idle": one_ms / max(cluster_ms),
+    }
+
+
+def capacity_line(figures: dict, round_number: int) -> str:
+    if figures["capacity"] is None:
+        return f"{figures['streams']:>7} streams, round {round_number}: no capacity (no tokens or no CPU measured)"
+    line = (
+        f"{figures['streams']:>7} streams, round {round_number}: capacity = one Redis's CPU per 10k tokens ÷ the busiest"
+        f" node's = {figures['one_redis_ms_per_10k']:.0f} ms ÷ {figures['busiest_ms_per_10k']:.0f} ms"
+        f" ({figures['busiest_share'] * 100:.0f}% of the cluster's {figures['cluster_ms_per_10k']:.0f} ms)"
+        f" = {figures['capacity']:.2f}× one Redis; busiest node ÷ idlest {figures['node_balance']:.2f}"
+    )
+    if "capacity_beyond_idle" in figures:
+        idle = figures["idle_ms_per_s"]
+        line += (
+            f"\n{'':>7}          beyond idle CPU (one Redis {idle['one_redis']:.1f} ms/s, nodes"
+            f" {' '.join(f'{rate:.1f}' for rate in idle['cluster'])} ms/s): {figures['one_redis_beyond_idle_ms_per_10k']:.0f} ms"
+            f" ÷ {figures['busiest_beyond_idle_ms_per_10k']:.0f} ms = {figures['capacity_beyond_idle']:.2f}× one Redis"
+        )
+    return line
+
+
+def balance_line(level: dict) -> str:
+    balance = level.get("balance")
+    if not balance or not balance["backlog_samples"]:
+        return (
+            f"{level['concurrency']:>7} streams, balance: no backlog in {balance['samples'] if balance else 0} samples"
+        )
+    workers = ", ".join(
+        f"{name} idle {w['idle_share'] * 100:.0f}%, full {w['full_share'] * 100:.0f}%,"
+        f" held {w['held_share'] * 100:.0f}% of {balance['max_seqs']} slots"
+        for name, w in sorted(balance["workers"].items())
+    )
+    return (
+        f"{level['concurrency']:>7} streams, balance over {balance['backlog_samples']} of {balance['samples']}"
+        f" samples with requests waiting: {workers}"
+    )
 
 
 def machine_busy_seconds() -> float:
@@ -183,6 +370,12 @@ def node_figures(nodes: list[tuple[float, dict]], wall: float) -> list[dict]:
             "utilisation": cpu / wall,
             "cpu_share": cpu / total if total > 0 else None,
             "evalsha_calls": commands.get("evalsha", {}).get("calls", 0),
+            "top_commands": {
+                name: values
+                for name, values in sorted(commands.items(), key=lambda item: item[1]["usec"], reverse=True)[
+                    :TOP_COMMANDS
+                ]
+            },
         }
         for cpu, commands in nodes
     ]
@@ -199,46 +392,106 @@ def limit(utilisation: dict[str, float], cores_busy: float, cores: int) -> str:
 
 
 async def measured_level(services: StubServices, stats: RedisCommandStats, spread: RoundRobin,
-                         bodies: list[dict], streams: int, args: argparse.Namespace) -> dict:  # fmt: skip
+                         bodies: list[dict], streams: int, args: argparse.Namespace,
+                         sampler: BalanceSampler | None = None) -> dict:  # fmt: skip
     """One level's requests, and what they cost: every process's CPU seconds, each Redis node's, and its commands."""
     stats.reset()
-    cpu_before, nodes_before, busy_before = services.cpu(), services.redis_node_cpu(), machine_busy_seconds()
+    cpu_before, nodes_before, busy_before = services.cpu(), stats.cpu_seconds(), machine_busy_seconds()
+    if sampler is not None:
+        sampler.samples.clear()
     results, wall = await run_level(spread, bodies, streams, args.level_timeout)
-    cpu_after, nodes_after = services.cpu(), services.redis_node_cpu()
+    cpu_after, nodes_after = services.cpu(), stats.cpu_seconds()
     busy = (machine_busy_seconds() - busy_before) / max(wall, 1e-9)
     cpu_s = {name: cpu_after[name] - cpu_before[name] for name in COMPONENTS}
+    cpu_s["redis"] = sum(nodes_after) - sum(nodes_before)  # the nodes' own count, as below
     per_node = stats.read()
     nodes = [(after - before, commands) for before, after, commands in zip(nodes_before, nodes_after, per_node)]
-    return level_figures(
+    level = level_figures(
         summarize(streams, results, wall), cpu_s, summed(per_node), args.gateways, args.workers, busy, nodes
     )
+    if sampler is not None:
+        level["balance"] = sampler.figures(args.max_seqs)
+    return level
 
 
-async def measured_levels(services: StubServices, args: argparse.Namespace) -> list[dict]:
-    stats = RedisCommandStats([node.url for node in services.redis_nodes])
-    levels = []
+def worker_ids(services: StubServices) -> list[str]:
+    """The stub workers' ids, from their heartbeat keys."""
+    prefix = services.layout.home.worker_key_prefix
+    client = connect_sync(services.redis_url)
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
-            clients = [ChatClient(session, url) for url in services.urls]
-            model = await clients[0].first_model()
-            for client in clients:
-                client.model = model
-            spread = RoundRobin(clients)
-            prompt = itertools.count()
-
-            def body(max_tokens: int) -> dict:  # every request a question not sent before
-                return clients[0].chat_body([{"role": "user", "content": question(next(prompt))}], max_tokens, True)
-
-            await run_level(
-                spread, [body(4) for _ in range(2 * len(clients))], len(clients), args.level_timeout
-            )  # warm-up
-            for streams in args.streams:
-                bodies = [body(args.max_tokens) for _ in range(streams * args.requests_per_stream)]
-                level = await measured_level(services, stats, spread, bodies, streams, args)
-                levels.append(level)
-                print(level_row(level), file=sys.stderr, flush=True)
+        return sorted(key.decode().removeprefix(prefix) for key in client.scan_iter(match=f"{prefix}*"))
     finally:
-        stats.close()
+        client.close()
+
+
+class Layout:
+    """One running set of services (one Redis or a cluster, its gateways and workers) and the client
+    that drives them; `level(streams)` runs and measures one level on it."""
+
+    def __init__(self, services: StubServices, session: aiohttp.ClientSession, args: argparse.Namespace):
+        self.services = services
+        self.args = args
+        self.clients = [ChatClient(session, url) for url in services.urls]
+        self.spread = RoundRobin(self.clients)
+        self.stats = RedisCommandStats([node.url for node in services.redis_nodes])
+        self.prompt = itertools.count()
+        self.streams_of_model: list[str] = []
+        self.idle_cpu_per_s: list[float] = []  # each node's, with everything up and nothing streaming
+
+    async def warm_up(self) -> None:
+        model = await self.clients[0].first_model()
+        for client in self.clients:
+            client.model = model
+        self.streams_of_model = [
+            shard.request_stream(model, priority)
+            for priority in (INTERACTIVE, BATCH)
+            for shard in self.services.layout.shards
+        ]
+        await run_level(self.spread, [self.body(4) for _ in range(2 * len(self.clients))], len(self.clients),
+                        self.args.level_timeout)  # fmt: skip
+        before = self.stats.cpu_seconds()
+        await asyncio.sleep(IDLE_S)
+        self.idle_cpu_per_s = [(after - cpu) / IDLE_S for cpu, after in zip(before, self.stats.cpu_seconds())]
+
+    def body(self, max_tokens: int) -> dict:  # every request a question not sent before
+        return self.clients[0].chat_body([{"role": "user", "content": question(next(self.prompt))}], max_tokens, True)
+
+    async def level(self, streams: int) -> dict:
+        return await self._level(streams) | {"redis_idle_cpu_per_s": self.idle_cpu_per_s}
+
+    async def _level(self, streams: int) -> dict:
+        args = self.args
+        bodies = [self.body(args.max_tokens) for _ in range(streams * args.requests_per_stream)]
+        if not args.balance:
+            return await measured_level(self.services, self.stats, self.spread, bodies, streams, args)
+        workers = worker_ids(self.services)
+        with BalanceSampler(self.services.redis_url, self.streams_of_model, workers) as sampler:
+            return await measured_level(self.services, self.stats, self.spread, bodies, streams, args, sampler)
+
+    def close(self) -> None:
+        self.stats.close()
+
+
+async def measured_levels(services: list[StubServices], args: argparse.Namespace) -> list[list[dict]]:
+    """Each level on every layout, `--rounds` times: the layouts in turn, their order reversed every
+    other round (so a drift of the machine's load falls on both alike). Per layout, its levels."""
+    levels: list[list[dict]] = [[] for _ in services]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
+        layouts = [Layout(each, session, args) for each in services]
+        try:
+            for layout in layouts:
+                await layout.warm_up()
+            for streams in args.streams:
+                for round_number in range(1, args.rounds + 1):
+                    order = list(enumerate(layouts))
+                    for index, layout in order if round_number % 2 else reversed(order):
+                        level = await layout.level(streams) | {"round": round_number}
+                        levels[index].append(level)
+                        name = "one Redis" if len(layout.services.redis_nodes) == 1 else "cluster"
+                        print(f"{level_row(level)}   {name}, round {round_number}", file=sys.stderr, flush=True)
+        finally:
+            for layout in layouts:
+                layout.close()
     return levels
 
 
@@ -288,28 +541,47 @@ def text_report(report: dict) -> str:
     if report["redis_layout"]["nodes"] > 1:
         lines += ["", *(nodes_line(level) for level in levels)]
         lines += ["(Redis's CPU seconds and commands above are sums over the nodes, its utilisation their mean)"]
+    if report.get("one_redis_levels"):
+        one = report["one_redis_levels"]
+        lines += ["", "one Redis, same code, same run:", *(level_row(level) for level in one), ""]
+        lines += [commands_line(level) for level in one]
+        lines += ["", *(capacity_line(figures, figures["round"]) for figures in report["capacity"])]
+    if any("balance" in level for level in levels):
+        lines += ["", *(balance_line(level) for level in levels)]
     lines += ["", *(f"{level['concurrency']:>7} streams, limit: {level['limit']}" for level in levels)]
     return "\n".join(lines)
 
 
-async def run(args: argparse.Namespace) -> dict:
-    with StubServices(args.kv_memory, args.logs, args.gateways, args.workers, log_prefix="saturation",
-                      cluster=args.cluster, shards=args.shards) as services:  # fmt: skip
-        redis_server = services.redis_server
-        layout = {
-            "nodes": len(services.redis_nodes),
-            "shards": len(services.layout.shards),
-            "cluster": bool(args.cluster),
-        }
-        levels = await measured_levels(services, args)
-    return {
+def started_services(args: argparse.Namespace, cluster: int) -> StubServices:
+    """The services of one layout; beside another layout its logs are named by it."""
+    prefix = "saturation" if not args.versus_one_redis else f"saturation-{'cluster' if cluster else 'one'}"
+    return StubServices(args.kv_memory, args.logs, args.gateways, args.workers, log_prefix=prefix,
+                        max_seqs=args.max_seqs, cluster=cluster, shards=args.shards)  # fmt: skip
+
+
+def run_all(args: argparse.Namespace) -> dict:
+    """The asked layout's levels; with --versus-one-redis, one Redis's too, both up at once and
+    measured in turn, and the cluster's capacity derived level by level."""
+    layouts = ([0] if args.versus_one_redis else []) + [args.cluster]
+    with contextlib.ExitStack() as stack:
+        services = [stack.enter_context(started_services(args, cluster)) for cluster in layouts]
+        asked = services[-1]
+        layout = {"nodes": len(asked.redis_nodes), "shards": len(asked.layout.shards), "cluster": bool(args.cluster)}
+        server = asked.redis_server
+        levels = asyncio.run(measured_levels(services, args))
+    report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cores": os.cpu_count()},
-        "redis_server": redis_server,
+        "redis_server": server,
         "redis_layout": layout,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "levels": levels,
+        "levels": levels[-1],
     }
+    if args.versus_one_redis:
+        one, cluster = levels
+        report["one_redis_levels"] = one
+        report["capacity"] = [capacity_figures(o, c) | {"round": c["round"]} for o, c in zip(one, cluster)]
+    return report
 
 
 def save(report: dict, path: Path) -> None:
@@ -321,12 +593,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
-    if min(args.gateways, args.workers, args.requests_per_stream, args.max_tokens) < 1:
-        parser.error("--gateways, --workers, --requests-per-stream and --max-tokens must be at least 1")
+    if min(args.gateways, args.workers, args.requests_per_stream, args.max_tokens, args.max_seqs) < 1:
+        parser.error("--gateways, --workers, --requests-per-stream, --max-tokens and --max-seqs must be at least 1")
     if args.cluster < 0 or (args.shards is not None and (not args.cluster or args.shards < 1)):
         parser.error("--cluster is 0 (one Redis) or more primaries; --shards, at least 1, only with --cluster")
+    if args.rounds < 1 or (args.versus_one_redis and not args.cluster):
+        parser.error("--rounds is at least 1; --versus-one-redis needs --cluster")
     print(HEADER, file=sys.stderr, flush=True)
-    report = asyncio.run(run(args)) | {"command": " ".join(["python", "bench/service/redis_saturation.py", *argv])}
+    report = run_all(args) | {"command": " ".join(["python", "bench/service/redis_saturation.py", *argv])}
     print(text_report(report))
     if args.json:
         save(report, args.json)

@@ -72,6 +72,7 @@ def test_cluster_nodes_get_shares_and_the_busiest_node_decides_the_limit():
     assert level["utilisation"]["redis"] == pytest.approx(0.4), "the mean over the three nodes"
     assert [n["cpu_share"] for n in level["redis_nodes"]] == pytest.approx([1.9 / 2.4, 0.4 / 2.4, 0.1 / 2.4])
     assert [n["evalsha_calls"] for n in level["redis_nodes"]] == [50, 30, 0]
+    assert list(level["redis_nodes"][0]["top_commands"]) == ["evalsha", "publish"]
     assert level["redis_max_node_utilisation"] == pytest.approx(0.95)
     assert level["limit"].startswith("redis (0.95"), "one full node fills the cluster though the mean is 0.4"
 
@@ -94,7 +95,8 @@ async def test_round_robin_spreads_requests_over_the_gateways():
 
 def test_bad_arguments_are_rejected():
     bad_arguments = (["--gateways", "0"], ["--workers", "0"], ["--streams", "0,4"], ["--max-tokens", "0"],
-                     ["--cluster", "-1"], ["--shards", "4"], ["--cluster", "3", "--shards", "0"])  # fmt: skip
+                     ["--cluster", "-1"], ["--shards", "4"], ["--cluster", "3", "--shards", "0"], ["--versus-one-redis"],
+                     ["--cluster", "3", "--rounds", "0"], ["--max-seqs", "0"])  # fmt: skip
     for bad in bad_arguments:
         with pytest.raises(SystemExit):
             redis_saturation.main(bad)
@@ -133,7 +135,7 @@ def test_a_cluster_run_reports_every_node_and_spreads_the_step_scripts_over_all_
     assert (level["completed"], level["errors"], level["output_tokens"]) == (24, 0, 96)
     nodes = level["redis_nodes"]
     assert len(nodes) == 3 and all(
-        set(node) == {"cpu_s", "utilisation", "cpu_share", "evalsha_calls"} for node in nodes
+        set(node) == {"cpu_s", "utilisation", "cpu_share", "evalsha_calls", "top_commands"} for node in nodes
     )
     if level["cpu_s"]["redis"] > 0:  # CPU time is counted in clock ticks (10 ms): a short level may show none
         assert sum(node["cpu_share"] for node in nodes) == pytest.approx(1.0)
@@ -145,3 +147,41 @@ def test_a_cluster_run_reports_every_node_and_spreads_the_step_scripts_over_all_
     )
     assert commands["xadd"]["calls"] >= 24, "each request was appended to its shard's request stream"
     assert report["redis_server"].startswith("valkey")
+
+
+def test_capacity_is_one_redis_cpu_per_token_over_the_busiest_nodes():
+    def level(tokens: int, node_cpu: list[float]) -> dict:
+        summary = summarize(4, [RequestResult(start=0.0, first_token=0.1, end=2.0, output_tokens=tokens // 4)] * 4, 2.0)
+        cpu_s = {"redis": sum(node_cpu), "gateway": 0.1, "worker": 0.1, "client": 0.1}
+        nodes = [(cpu, {}) for cpu in node_cpu]
+        return redis_saturation.level_figures(summary, cpu_s, {}, 1, 1, cores_busy=1.0, nodes=nodes)
+
+    one = level(10_000, [0.3])  # 300 ms per 10k tokens
+    cluster = level(20_000, [0.24, 0.16, 0.2])  # the busiest: 0.24 s for 20k tokens, 120 ms per 10k
+    figures = redis_saturation.capacity_figures(one, cluster)
+    assert figures["one_redis_ms_per_10k"] == pytest.approx(300)
+    assert figures["busiest_ms_per_10k"] == pytest.approx(120)
+    assert figures["busiest_share"] == pytest.approx(0.4)
+    assert figures["capacity"] == pytest.approx(2.5)
+    assert figures["node_balance"] == pytest.approx(1.5)
+    assert "300 ms ÷ 120 ms" in redis_saturation.capacity_line(figures, 1)
+    assert redis_saturation.capacity_figures(one, level(20_000, [0.2, 0.0, 0.1]))["capacity"] is None
+    assert "capacity_beyond_idle" not in figures, "no idle figures measured"
+
+    idle_one = one | {"redis_idle_cpu_per_s": [0.05]}  # 2 s at 50 ms/s: 100 of its 300 ms are idle
+    idle_cluster = cluster | {"redis_idle_cpu_per_s": [0.02, 0.0, 0.0]}  # the busiest: 240 - 40 ms
+    beyond = redis_saturation.capacity_figures(idle_one, idle_cluster)
+    assert beyond["one_redis_beyond_idle_ms_per_10k"] == pytest.approx(200)
+    assert beyond["busiest_beyond_idle_ms_per_10k"] == pytest.approx(100)
+    assert beyond["capacity_beyond_idle"] == pytest.approx(2.0)
+    assert "200 ms ÷ 100 ms = 2.00×" in redis_saturation.capacity_line(beyond, 1)
+
+
+def test_balance_counts_only_samples_with_requests_waiting():
+    samples = [(0, {"a": 0, "b": 0}), (3, {"a": 4, "b": 0}), (1, {"a": 4, "b": 2}), (2, {"a": 2})]
+    figures = redis_saturation.balance_figures(samples, ["a", "b"], max_seqs=4)
+    assert (figures["samples"], figures["backlog_samples"]) == (4, 3)
+    a, b = figures["workers"]["a"], figures["workers"]["b"]
+    assert (a["idle_share"], a["full_share"], a["held_share"]) == pytest.approx((0, 2 / 3, 10 / 12))
+    assert (b["idle_share"], b["full_share"], b["held_share"]) == pytest.approx((2 / 3, 0, 2 / 12))
+    assert redis_saturation.balance_figures([(0, {"a": 1})], ["a"], 4)["workers"]["a"]["idle_share"] is None

@@ -25,3 +25,22 @@ async def test_after_a_redis_restart_no_command_fails_on_a_dead_pooled_connectio
             assert await client.xadd("lmq:req:x", {"msg": b"m"})
     finally:
         await client.aclose()
+
+
+async def test_a_cluster_client_routes_stream_reads_by_their_slot_without_asking_the_server():
+    """redis-py would ask a node for an XREAD's keys (COMMAND GETKEYS) before each read; the slot is
+    worked out here, so no node is asked (this client has none to ask: its address is never dialled)."""
+    from redis.crc import key_slot
+
+    from protocol.redis_client import connect, stream_read_keys
+
+    client = connect("redis+cluster://127.0.0.1:1/?shards=6")
+    stream = "lmq:{0.1}:req:m"
+    group_read = ("GROUP", "workers", "w1", "COUNT", 2, "STREAMS", stream, ">")
+    assert await client._determine_slot("XREADGROUP", *group_read) == key_slot(stream.encode())
+    assert await client._determine_slot("XREAD", "COUNT", 1, "BLOCK", 1000, "STREAMS", stream, "0-0") == key_slot(
+        stream.encode()
+    )
+    assert stream_read_keys("XREADGROUP", ("GROUP", "STREAMS", "c", "STREAMS", "a", "b", ">", ">")) == ["a", "b"]
+    assert stream_read_keys("XREAD", ("STREAMS", "a", "b", "0-0")) == [], "keys and ids must pair up"
+    assert stream_read_keys("GET", ("STREAMS",)) == []
