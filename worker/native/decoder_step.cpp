@@ -14,6 +14,8 @@
 //
 // Linears: quant_linear.h (int4, int5 and int8 weights with a scale and min per group, the GGUF block
 // types as their files hold them). The input row is quantized to int16 with one scale per group of 32.
+// The output head is int8 per row, or, where the file keeps it in fewer bits (the Q6_K head llama-quantize
+// writes), its file's own blocks on the same kernels: fewer bytes a token, and no second rounding.
 // Why int16 and not int8 (llama.cpp's Q8_1): int8 activations, even with a scale per 16 values, tripled
 // the KL divergence to float32 that the int4 weights alone cause (bench/quality.py: 0.0028 against
 // 0.00104 for int16, the torch path's 0.00106) and flipped near-ties such as the first word of the
@@ -71,9 +73,10 @@ struct Model {
   const uint16_t* embed;     // bf16 [vocab, hidden]
   const LayerWeights* layer;
   const float* final_norm;   // [hidden]
-  const int8_t* head;        // [vocab / 16, hidden / 2, 16, 2] int8
+  const int8_t* head;        // [vocab / 16, hidden / 2, 16, 2] int8, or null with head_blocks
   const float* head_scale;   // [vocab]
   int64_t amx_from_rows;     // steps of at least this many rows run their linears on AMX tiles (amx_linear.h); 0: none
+  const QuantMatrix* head_blocks;  // null, or the head in its file's own blocks (head and head_scale unused then)
 };
 
 struct Step {
@@ -499,7 +502,8 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
   for (int64_t index = 0; index < m.layers; ++index) layer_step(m, s, index, b, scores, clock);
   int64_t begin, end;
   share(s.logit_count, begin, end);
-  const bool head_on_tiles = b.amx && s.logit_count >= m.amx_from_rows;  // a prompt chunk's one row: VNNI
+  // A prompt chunk's one row: VNNI; a head in its file's blocks: VNNI always (tiles read int8 heads only).
+  const bool head_on_tiles = b.amx && s.logit_count >= m.amx_from_rows && !m.head_blocks;
   for (int64_t i = begin; i < end; ++i) {
     float* normed = b.normed.data() + i * m.hidden;
     rms_norm(b.hidden.data() + s.logit_rows[i] * m.hidden, m.final_norm, m.hidden, m.eps, normed);
@@ -511,6 +515,8 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
 #pragma omp barrier
   if (head_on_tiles)
     amx_head(m, b.bf16_rows, s.logit_count, s.logits);
+  else if (m.head_blocks)
+    quant_linear(*m.head_blocks, b.quantized, s.logit_count, s.logits, false);
   else
     int8_head(m.head, m.head_scale, m.hidden, m.vocab, b.quantized, s.logit_count, s.logits);
 #pragma omp barrier
@@ -535,6 +541,7 @@ int lmq_step(const Model* model, const Step* step, int threads) {
       if (m.amx_from_rows && !amx_format(*matrix)) return 3;  // tiles run int4 with fp16 scales only
     }
   }
+  if (m.head_blocks && (!known_format(*m.head_blocks) || m.head_blocks->k != m.hidden || total_rows(*m.head_blocks) != m.vocab)) return 2;
   const double started = omp_get_wtime();
   Buffers buffers(m, s.rows);
   prepare_rows(m, s, buffers);
