@@ -81,7 +81,8 @@ class StepStruct(ctypes.Structure):
                 ("contexts", ctypes.c_void_p), ("page_tables", ctypes.c_void_p), ("page_table_stride", ctypes.c_int64),
                 ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p), ("layer_stride", ctypes.c_int64),
                 ("page_size", ctypes.c_int64), ("logit_rows", ctypes.c_void_p), ("logit_count", ctypes.c_int64),
-                ("logits", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p)]  # fmt: skip
+                ("logits", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p),
+                ("one_row_per_sequence", ctypes.c_int64)]  # fmt: skip
 
 
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,6 +402,7 @@ class NativeSteps:
             k_pool=k.data_ptr(), v_pool=v.data_ptr(), layer_stride=k[0].numel(), page_size=k.shape[2],
             logit_rows=logit_rows.data_ptr(), logit_count=logit_rows.numel(), logits=logits.data_ptr(),
             phase_seconds=None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
+            one_row_per_sequence=int(batch.is_decode_only),
         )  # fmt: skip
         status = self.library.lmq_step(ctypes.byref(self.struct), ctypes.byref(step), self.threads)
         if status != 0:
