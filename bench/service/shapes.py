@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default-model", choices=["yes", "no"], default="yes",
                         help="the default SmolLM2-135M-Instruct Q4_1 too, first")  # fmt: skip
     parser.add_argument("--levels", default="1,4,16")
+    parser.add_argument("--defaults-levels", default="",
+                        help="measure llama.cpp's defaults only at these levels (empty: all); under load its spinning "
+                             "threads make a 16-stream level take minutes, and --poll 0 is then its better figure")  # fmt: skip
     parser.add_argument("--requests", type=int, default=8, help="requests per level: this many, or 2 per stream")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -120,7 +123,7 @@ def level_rows(name: str, runs: dict[str, dict], ceilings: dict) -> list[dict]:
     for lmq_level in runs[LMQ]["levels"]:
         streams = lmq_level["concurrency"]
         peer_levels = [
-            next(lv for lv in runs[label]["levels"] if lv["concurrency"] == streams) for label in runs if label != LMQ
+            lv for label in runs if label != LMQ for lv in runs[label]["levels"] if lv["concurrency"] == streams
         ]
         best = max(peer_levels, key=lambda lv: lv["output_tok_s"]) if peer_levels else None
         rows.append({
@@ -182,6 +185,18 @@ def models(args: argparse.Namespace, quantize: Path) -> dict[str, Path]:
     return found
 
 
+def measure(alternation: Alternation, slug: str, levels: list[int], args: argparse.Namespace) -> dict[str, dict]:
+    """label -> {"levels": [...]}: every server at every level, llama.cpp's defaults only at --defaults-levels."""
+    requests = lambda level: max(args.requests, 2 * level)  # noqa: E731
+    wanted = {int(part) for part in args.defaults_levels.split(",") if part} or set(levels)
+    runs: dict[str, dict] = {}
+    for level in levels:
+        only = None if level in wanted else [label for label in alternation.servers if label != PEER_DEFAULT]
+        for label, run in alternation.measure(Workload(slug, [], [level], requests), only).items():
+            runs.setdefault(label, {"label": label, "levels": []})["levels"] += run["levels"]
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # lmq's worker sets its own; the measuring clients too
     os.environ.setdefault("GOMP_SPINCOUNT", "3000")
@@ -198,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         with servers(path, args, server_binary, logs) as (urls, started):
             alternation = Alternation(urls, args.max_tokens, args.results, rounds=args.rounds)
             slug = "shape-" + "".join(c if c.isalnum() else "-" for c in path.stem.lower())
-            runs = alternation.measure(Workload(slug, [], levels, lambda level: max(args.requests, 2 * level)))
+            runs = measure(alternation, slug, levels, args)
         rows += level_rows(label, runs, ceilings)
         commands += started + alternation.commands
         print(format_rows(rows), flush=True)
@@ -223,7 +238,8 @@ def render(rows: list[dict], ceilings: roofline.Ceilings, commands: list[str], l
         f"Whole service, {args.threads} threads each, streaming chat completions of 50–60-token prompts, "
         f"{args.max_tokens} output tokens with `ignore_eos`, greedy; per level max({args.requests}, 2 × streams) "
         f"requests after a warm-up, {args.rounds} rounds alternated, each server's best round; llama.cpp's "
-        "figure is the better of its two thread settings.",
+        "figure is the better of its two thread settings"
+        + (f" (its defaults at {levels} streams only)." if (levels := getattr(args, "defaults_levels", "")) else "."),
         "",
         format_rows(rows),
         "",
