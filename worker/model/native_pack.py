@@ -3,7 +3,8 @@
 `pack(blocks)` lays out a QuantBlocks (integer q, a scale and a min per group: every GGUF type the
 native step reads, exactly as the file holds it) in the kernel's layout for its bits, with fp16 scales
 where every scale and min of the matrix is exactly an fp16 (the files' own d and m) and float32 where
-not (K-quant products d * sc). `matrix(parts, keep)` makes the ctypes struct a step points to: parts
+not (K-quant products d * sc). Q4_0 and Q5_0, whose min is -8 and -16 times the scale, keep no mins: the
+kernel forms m from a (exactly), so their blocks cost the file's 4.5 and 5.5 bits a weight, not 5.0 and 6.0. `matrix(parts, keep)` makes the ctypes struct a step points to: parts
 of a fused matrix (q, k, v) in different formats chain, each running on its own kernel.
 """
 
@@ -36,7 +37,7 @@ QuantMatrix._fields_ = [
     ("bits", ctypes.c_int32),
     ("scale_bytes", ctypes.c_int32),
     ("group", ctypes.c_int32),
-    ("reserved", ctypes.c_int32),
+    ("m_factor", ctypes.c_int32),
     ("next", ctypes.POINTER(QuantMatrix)),
 ]
 
@@ -55,6 +56,7 @@ class PackedMatrix:
     qtypes: tuple[str, ...]
     super_scales: torch.Tensor | None = None  # K-quants: fp16 d [N/16, K/256, 16], scales then their 8-bit sc
     super_mins: torch.Tensor | None = None
+    m_factor: int = 0  # Q4_0 -8, Q5_0 -16: no mins stored, m = m_factor * scale (mins None)
 
     @property
     def scale_bytes(self) -> int:
@@ -73,7 +75,8 @@ def kernel_format(blocks: QuantBlocks) -> str:
 
     Scales: fp16 or f32 per group, or "k8": a K-quant's own 8-bit sc per group times an fp16 d per 256.
     """
-    scales = "k8" if blocks.super is not None else "fp16" if _fp16_exact(blocks) else "f32"
+    fp16 = _fp16_exact(blocks) or _min_factor(blocks) != 0
+    scales = "k8" if blocks.super is not None else "fp16" if fp16 else "f32"
     return f"{blocks.qtype} as int{blocks.bits}/{scales}/{blocks.group}"
 
 
@@ -98,9 +101,23 @@ def pack(blocks: QuantBlocks) -> PackedMatrix:
         dmin = None if levels.dmin is None else _by_block(levels.dmin.half())
         scales, d = _by_block(levels.sc.to(sub)), _by_block(levels.d.half())
         return PackedMatrix(weights, scales, mins, n, k, blocks.bits, blocks.group, qtypes, d, dmin)
+    factor = _min_factor(blocks)
+    if factor:
+        scales = _by_block(blocks.scale.half())
+        return PackedMatrix(weights, scales, None, n, k, blocks.bits, blocks.group, qtypes, m_factor=factor)
     dtype = torch.float16 if _fp16_exact(blocks) else torch.float32
     mins = None if blocks.min is None else _by_block(blocks.min.to(dtype))
     return PackedMatrix(weights, _by_block(blocks.scale.to(dtype)), mins, n, k, blocks.bits, blocks.group, qtypes)
+
+
+def _min_factor(blocks: QuantBlocks) -> int:
+    """-2^(bits-1) where every min is exactly that times its fp16 scale (Q4_0: -8, Q5_0: -16), else 0."""
+    if blocks.bits not in (4, 5) or blocks.min is None or blocks.super is not None:
+        return 0
+    factor = -(1 << (blocks.bits - 1))
+    scale = blocks.scale
+    fp16 = torch.equal(scale.half().float(), scale)
+    return factor if fp16 and torch.equal(blocks.min, scale * factor) else 0
 
 
 def _fp16_exact(blocks: QuantBlocks) -> bool:
@@ -180,6 +197,7 @@ def matrix(parts: list[PackedMatrix], keep: list) -> QuantMatrix:
                 bits=part.bits,
                 scale_bytes=part.scale_bytes,
                 group=part.group,
+                m_factor=part.m_factor,
             )
         )
     for this, following in zip(structs, structs[1:]):

@@ -74,7 +74,8 @@ inline void amx_group(const QuantMatrix& w, int64_t block, const Bf16Rows& x, in
   _tile_dpbf16ps(0, 1, 2);
   _tile_stored(0, c_tile, 64);
   const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.scales) + at * kBlockN)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.mins) + at * kBlockN)));
+  const __m512 m = w.mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.mins) + at * kBlockN)))
+                          : _mm512_mul_ps(a, _mm512_set1_ps(static_cast<float>(w.m_factor)));  // Q4_0: m = -8 a
   const __m512 offset_m = _mm512_fnmadd_ps(a, _mm512_set1_ps(128.f), m);
   for (int r = 0; r < MR; ++r) {
     acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c_tile[r]), a, acc[r]);
@@ -98,7 +99,7 @@ void amx_int4_block(const QuantMatrix& w, int64_t block, const Bf16Rows& x, int6
   }
 }
 
-// Whether tiles can run w: one part, int4 with fp16 scales and mins (the other formats run on VNNI only).
+// Whether tiles can run w: one part, int4 with fp16 scales and mins, stored or m_factor a (the other formats run on VNNI only).
 bool amx_format(const QuantMatrix& w) { return !w.next && w.bits == 4 && w.scale_bytes == 2 && w.group == kGroup; }
 
 // out [rows, w.n] (= or +=) x @ w^T, the team splitting the column blocks.

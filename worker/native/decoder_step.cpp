@@ -14,6 +14,8 @@
 //
 // Linears: quant_linear.h (int4, int5 and int8 weights with a scale and min per group, the GGUF block
 // types as their files hold them). The input row is quantized to int16 with one scale per group of 32.
+// The output head is int8 per row, or, where the file keeps it in fewer bits (the Q6_K head llama-quantize
+// writes), its file's own blocks on the same kernels: fewer bytes a token, and no second rounding.
 // Why int16 and not int8 (llama.cpp's Q8_1): int8 activations, even with a scale per 16 values, tripled
 // the KL divergence to float32 that the int4 weights alone cause (bench/quality.py: 0.0028 against
 // 0.00104 for int16, the torch path's 0.00106) and flipped near-ties such as the first word of the
@@ -26,7 +28,10 @@
 // layer), one (sequence, KV head) at a time with its query heads together: scores, softmax, values.
 //
 // Threads: one OpenMP team for the whole step; each phase splits its work statically over the team
-// and ends at a barrier. A row's arithmetic depends on nothing else in the step (rows never share a
+// and ends at a barrier. A step of a few rows has five barriers a layer, not ten: every thread
+// normalises and quantizes all the rows for itself (into its own copy: a few microseconds, where a
+// barrier costs that much on idle cores and a scheduler slice when another process has the core),
+// and in a decode each (sequence, KV head) task rotates and writes its own K/V before attending. A row's arithmetic depends on nothing else in the step (rows never share a
 // reduction) but the kernel its step's size picks (VNNI or tiles); with tiles off (cpu_steps
 // "invariant") a sequence's tokens do not depend on what it is batched with.
 
@@ -71,9 +76,10 @@ struct Model {
   const uint16_t* embed;     // bf16 [vocab, hidden]
   const LayerWeights* layer;
   const float* final_norm;   // [hidden]
-  const int8_t* head;        // [vocab / 16, hidden / 2, 16, 2] int8
+  const int8_t* head;        // [vocab / 16, hidden / 2, 16, 2] int8, or null with head_blocks
   const float* head_scale;   // [vocab]
   int64_t amx_from_rows;     // steps of at least this many rows run their linears on AMX tiles (amx_linear.h); 0: none
+  const QuantMatrix* head_blocks;  // null, or the head in its file's own blocks (head and head_scale unused then)
 };
 
 struct Step {
@@ -92,6 +98,7 @@ struct Step {
   int64_t logit_count;
   float* logits;  // [logit_count, vocab]
   double* phase_seconds;  // null, or [kPhases]: where the step's wall time went
+  int64_t one_row_per_sequence;  // a decode step: no row attends to a key another row of the step writes
 };
 
 int lmq_step(const Model* model, const Step* step, int threads);
@@ -102,6 +109,7 @@ int lmq_amx_enable();
 namespace {
 
 constexpr int kPhases = 10;  // embed, norm, qkv, rope + K/V write, attention, o, gate_up, SiLU, down, head
+constexpr int64_t kOwnEncodeRows = 4;  // steps of at most this many rows: every thread encodes x itself (Buffers::own)
 constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
 // ---- small vector helpers ----
@@ -316,11 +324,16 @@ struct Buffers {
   std::vector<float> scale, sum;
   QuantizedRows quantized;  // x for VNNI, and always for the head
   bool amx;                 // this step's linears on AMX tiles
+  bool own;                 // each thread encodes every row of x itself, into own[thread] (no barrier before a linear)
+  std::vector<int16_t> own_q;
+  std::vector<float> own_scale, own_sum, own_scratch;
+  std::vector<QuantizedRows> own_rows;  // [threads]
+  int64_t scratch_stride;               // own_scratch's floats per thread: rows * widest
   std::vector<uint16_t> bf16;
   std::vector<float> bf16_sum;
   Bf16Rows bf16_rows;  // x for AMX
 
-  Buffers(const Model& m, int64_t rows) {
+  Buffers(const Model& m, int64_t rows, int threads) {
     const int64_t widest = std::max({m.hidden, m.intermediate, m.heads * m.head_dim}), qkv_n = (m.heads + 2 * m.kv_heads) * m.head_dim;
     hidden.resize(rows * m.hidden);
     normed.resize(rows * widest);
@@ -335,6 +348,17 @@ struct Buffers {
     sum.resize(rows * widest / kGroup);
     quantized = QuantizedRows{q.data(), scale.data(), sum.data(), widest};
     amx = m.amx_from_rows > 0 && rows >= m.amx_from_rows;
+    own = !amx && threads > 1 && rows <= kOwnEncodeRows;
+    if (own) {
+      scratch_stride = rows * widest;
+      own_q.resize(threads * rows * widest);
+      own_scale.resize(threads * rows * widest / kGroup);
+      own_sum.resize(threads * rows * widest / kGroup);
+      own_scratch.resize(threads * scratch_stride);
+      for (int t = 0; t < threads; ++t)
+        own_rows.push_back(QuantizedRows{own_q.data() + t * rows * widest, own_scale.data() + t * rows * widest / kGroup,
+                                         own_sum.data() + t * rows * widest / kGroup, widest});
+    }
     if (amx) {
       const int64_t padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
       bf16.resize(padded * widest);
@@ -344,34 +368,51 @@ struct Buffers {
   }
 };
 
+// x as this thread's linears read it: its own copy, or the team's.
+const QuantizedRows& linear_input(const Buffers& b) { return b.own ? b.own_rows[omp_get_thread_num()] : b.quantized; }
+
+// Scratch for a row of k floats: this thread's own (b.own), or the team's b.normed.
+float* row_scratch(Buffers& b, int64_t r, int64_t k) {
+  return b.own ? b.own_scratch.data() + omp_get_thread_num() * b.scratch_stride + r * k : b.normed.data() + r * k;
+}
+
 // Row r of x as the linears' kernel takes it.
 void encode_row(const float* x, int64_t k, Buffers& b, int64_t r) {
   if (b.amx)
     bf16_row(x, k, b.bf16_rows, r);
   else
-    quantize_row(x, k, b.quantized, r);
+    quantize_row(x, k, linear_input(b), r);
 }
 
 void linear(const QuantMatrix& w, const Buffers& b, int64_t rows, float* out, bool accumulate) {
   if (b.amx)
     amx_int4_linear(w, b.bf16_rows, rows, out, accumulate);
   else
-    quant_linear(w, b.quantized, rows, out, accumulate);
+    quant_linear(w, linear_input(b), rows, out, accumulate);
 }
 
-// Each of the team's rows: normalise (when norm is given) and encode rows of x [rows, k].
+// The rows this thread encodes: all of them (b.own), else its share; with the team's barrier after.
+template <typename F>
+void each_encoded_row(int64_t rows, const Buffers& b, F&& f) {
+  int64_t begin = 0, end = rows;
+  if (!b.own) share(rows, begin, end);
+  for (int64_t r = begin; r < end; ++r) f(r);
+  if (!b.own) {
+#pragma omp barrier
+  }
+}
+
+// Normalise (when norm is given) and encode rows of x [rows, k].
 void encode_rows(const float* x, int64_t rows, int64_t k, const float* norm, float eps, Buffers& b) {
-  int64_t begin, end;
-  share(rows, begin, end);
-  for (int64_t r = begin; r < end; ++r) {
+  each_encoded_row(rows, b, [&](int64_t r) {
     const float* row = x + r * k;
     if (norm) {
-      rms_norm(row, norm, k, eps, b.normed.data() + r * k);
-      row = b.normed.data() + r * k;
+      float* normed = row_scratch(b, r, k);
+      rms_norm(row, norm, k, eps, normed);
+      row = normed;
     }
     encode_row(row, k, b, r);
-  }
-#pragma omp barrier
+  });
 }
 
 // Thread 0 adds each phase's wall time (phases end at barriers, so it is the team's) to step.phase_seconds.
@@ -407,25 +448,37 @@ void residual_linear(const Model& m, const QuantMatrix& w, const float* out_norm
 #pragma omp barrier
 }
 
-// A row's q/k/v after the projection: bias, per-head q/k norms, rotary; its K/V written to the pool.
-void place_qkv(const Model& m, const Step& s, int64_t index, Buffers& b, int64_t r) {
+inline void add_bias(float* x, const float* bias, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(bias + i)));
+}
+
+// Row r's q heads of KV head h, and h's k and v, after the projection: bias, per-head q/k norms, rotary;
+// the K/V written to the pool. Each value's arithmetic is the same whichever heads a call takes.
+void place_heads(const Model& m, const Step& s, int64_t index, Buffers& b, int64_t r, int64_t h) {
   const LayerWeights& w = m.layer[index];
-  const int64_t hd = m.head_dim, kvh = m.kv_heads, q_size = m.heads * hd, qkv_n = q_size + 2 * kvh * hd;
+  const int64_t hd = m.head_dim, kvh = m.kv_heads, group = m.heads / kvh, q_size = m.heads * hd, qkv_n = q_size + 2 * kvh * hd;
   float* row = b.qkv.data() + r * qkv_n;
-  if (w.qkv_bias)
-    for (int64_t i = 0; i < qkv_n; i += 16) _mm512_storeu_ps(row + i, _mm512_add_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(w.qkv_bias + i)));
+  float* q = row + h * group * hd;
+  float* k = row + q_size + h * hd;
+  float* v = row + q_size + kvh * hd + h * hd;
+  if (w.qkv_bias) {
+    add_bias(q, w.qkv_bias + h * group * hd, group * hd);
+    add_bias(k, w.qkv_bias + q_size + h * hd, hd);
+    add_bias(v, w.qkv_bias + q_size + kvh * hd + h * hd, hd);
+  }
   if (w.q_norm) {
-    for (int64_t h = 0; h < m.heads; ++h) rms_norm(row + h * hd, w.q_norm, hd, m.eps, row + h * hd);
-    for (int64_t h = 0; h < kvh; ++h) rms_norm(row + q_size + h * hd, w.k_norm, hd, m.eps, row + q_size + h * hd);
+    for (int64_t g = 0; g < group; ++g) rms_norm(q + g * hd, w.q_norm, hd, m.eps, q + g * hd);
+    rms_norm(k, w.k_norm, hd, m.eps, k);
   }
   const int64_t half = m.rotary_dim / 2, table = (r * m.rotaries + w.rotary) * half;
-  rope(row, m.heads + kvh, hd, m.rotary_dim, b.cos.data() + table, b.sin.data() + table);  // q and k are adjacent
+  rope(q, group, hd, m.rotary_dim, b.cos.data() + table, b.sin.data() + table);
+  rope(k, 1, hd, m.rotary_dim, b.cos.data() + table, b.sin.data() + table);
   const int64_t slot = s.slots[r];
-  uint16_t* k_dst = s.k_pool + index * s.layer_stride + slot * kvh * hd;
-  uint16_t* v_dst = s.v_pool + index * s.layer_stride + slot * kvh * hd;
-  for (int64_t i = 0; i < kvh * hd; i += 16) {
-    store_bf16(k_dst + i, _mm512_loadu_ps(row + q_size + i));
-    store_bf16(v_dst + i, _mm512_loadu_ps(row + q_size + kvh * hd + i));
+  uint16_t* k_dst = s.k_pool + index * s.layer_stride + slot * kvh * hd + h * hd;
+  uint16_t* v_dst = s.v_pool + index * s.layer_stride + slot * kvh * hd + h * hd;
+  for (int64_t i = 0; i < hd; i += 16) {
+    store_bf16(k_dst + i, _mm512_loadu_ps(k + i));
+    store_bf16(v_dst + i, _mm512_loadu_ps(v + i));
   }
 }
 
@@ -440,13 +493,19 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
   linear(w.qkv, b, rows, b.qkv.data(), false);
 #pragma omp barrier
   clock.mark(2);
-  share(rows, begin, end);
-  for (int64_t r = begin; r < end; ++r) place_qkv(m, s, index, b, r);
+  // A prompt chunk's rows attend to each other's keys: every row's K/V in the pool first. A decode's
+  // (row, KV head) task places its own heads, then attends (no barrier between).
+  const bool placed_by_task = s.one_row_per_sequence != 0;
+  if (!placed_by_task) {
+    share(rows * kvh, begin, end);
+    for (int64_t task = begin; task < end; ++task) place_heads(m, s, index, b, task / kvh, task % kvh);
 #pragma omp barrier
+  }
   clock.mark(3);
   share(rows * kvh, begin, end);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t r = task / kvh, h = task % kvh, group = m.heads / kvh;
+    if (placed_by_task) place_heads(m, s, index, b, r, h);
     attend(m, s, index, b.qkv.data() + r * qkv_n + h * group * hd, b.attention.data() + r * q_size + h * group * hd, r, h, scores);
   }
 #pragma omp barrier
@@ -459,13 +518,11 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
   linear(w.gate_up, b, rows, b.gate_up.data(), false);
 #pragma omp barrier
   clock.mark(6);
-  share(rows, begin, end);
-  for (int64_t r = begin; r < end; ++r) {
-    float* act = b.normed.data() + r * m.intermediate;
+  each_encoded_row(rows, b, [&](int64_t r) {
+    float* act = row_scratch(b, r, m.intermediate);
     gated_activation(b.gate_up.data() + r * 2 * m.intermediate, m.intermediate, m.activation, act);
     encode_row(act, m.intermediate, b, r);
-  }
-#pragma omp barrier
+  });
   clock.mark(7);
   residual_linear(m, w.down, w.mlp_out_norm, b, rows);
   clock.mark(8);
@@ -499,7 +556,8 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
   for (int64_t index = 0; index < m.layers; ++index) layer_step(m, s, index, b, scores, clock);
   int64_t begin, end;
   share(s.logit_count, begin, end);
-  const bool head_on_tiles = b.amx && s.logit_count >= m.amx_from_rows;  // a prompt chunk's one row: VNNI
+  // A prompt chunk's one row: VNNI; a head in its file's blocks: VNNI always (tiles read int8 heads only).
+  const bool head_on_tiles = b.amx && s.logit_count >= m.amx_from_rows && !m.head_blocks;
   for (int64_t i = begin; i < end; ++i) {
     float* normed = b.normed.data() + i * m.hidden;
     rms_norm(b.hidden.data() + s.logit_rows[i] * m.hidden, m.final_norm, m.hidden, m.eps, normed);
@@ -511,6 +569,8 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
 #pragma omp barrier
   if (head_on_tiles)
     amx_head(m, b.bf16_rows, s.logit_count, s.logits);
+  else if (m.head_blocks)
+    quant_linear(*m.head_blocks, b.quantized, s.logit_count, s.logits, false);
   else
     int8_head(m.head, m.head_scale, m.hidden, m.vocab, b.quantized, s.logit_count, s.logits);
 #pragma omp barrier
@@ -535,8 +595,9 @@ int lmq_step(const Model* model, const Step* step, int threads) {
       if (m.amx_from_rows && !amx_format(*matrix)) return 3;  // tiles run int4 with fp16 scales only
     }
   }
+  if (m.head_blocks && (!known_format(*m.head_blocks) || m.head_blocks->k != m.hidden || total_rows(*m.head_blocks) != m.vocab)) return 2;
   const double started = omp_get_wtime();
-  Buffers buffers(m, s.rows);
+  Buffers buffers(m, s.rows, threads);
   prepare_rows(m, s, buffers);
   if (s.phase_seconds) s.phase_seconds[0] += omp_get_wtime() - started;
   if (threads <= 1) {

@@ -28,6 +28,8 @@
 //           pair 8h + c's value e;
 //   bits 8: [16, 16, 2] int8: pair p of every row;
 //   scales, mins [N/16, K/group, 16] (fp16 or float32): the group's a and m for the block's 16 rows.
+// Q4_0 and Q5_0 store no mins (m_factor -8, -16: m = m_factor * a, exact in float32): their blocks are
+// 4.5 and 5.5 bits a weight as in the file, not 5.0 and 6.0, and a one-row step is bound by those bytes.
 // The output head is int8 per row ([N/16, K/2, 16, 2]), widened to int16 as it is read: y = s d sum qx w.
 
 #include <immintrin.h>
@@ -49,7 +51,7 @@ struct QuantMatrix {
   int32_t bits;         // 4, 5 (unsigned, with mins), 6 or 8 (signed, no mins)
   int32_t scale_bytes;  // 1, 2 or 4
   int32_t group;        // 32, or 16 (bits 6 and 8 only)
-  int32_t reserved;
+  int32_t m_factor;     // 0, or bits 4 and 5 with fp16 scales and no mins stored: m = m_factor * a (Q4_0 -8, Q5_0 -16)
   const QuantMatrix* next;  // further output rows in another format (a fused q/k/v whose parts differ), or null
 };
 
@@ -167,7 +169,7 @@ constexpr int64_t kSuperGroups = 256 / kGroup;  // groups of x per K-quant super
 
 // Output columns [16 * block, +16) for x rows [r0, r0 + MR); accumulate: out += y, else out = y.
 // Scale: the type of a and m (uint16_t: fp16); Group: the weights' group (32, or 16 with no mins).
-template <int Bits, typename Scale, int Group, int MR>
+template <int Bits, typename Scale, int Group, bool Derived, int MR>
 void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
   constexpr bool kMins = Bits < 6;
   constexpr int kSub = kGroup / Group, kBytes = kGroupBytes<Bits>;
@@ -175,7 +177,8 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
   const int64_t groups = w.k / kGroup, per_row = x.stride / kGroup;
   const uint8_t* packed = w.weights + block * groups * kBytes;
   const Scale* scales = static_cast<const Scale*>(w.scales) + block * groups * kSub * kBlockN;
-  const Scale* mins = kMins ? static_cast<const Scale*>(w.mins) + block * groups * kBlockN : nullptr;
+  const Scale* mins = kMins && !Derived ? static_cast<const Scale*>(w.mins) + block * groups * kBlockN : nullptr;
+  const __m512 m_factor = _mm512_set1_ps(static_cast<float>(w.m_factor));
   // K-quants: the group's sc times its super-block's d (mn times dmin, negated), as the loader multiplies them.
   constexpr bool kSuper = sizeof(Scale) == 1;
   const uint16_t* super_scales = kSuper ? w.super_scales + block * (groups / kSuperGroups) * kBlockN : nullptr;
@@ -199,7 +202,7 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
     unpack<Bits>(group, weights);
     if constexpr (kSub == 1) {
       const __m512 a = scale(g, g);
-      const __m512 m = kMins ? offset(g) : _mm512_setzero_ps();
+      const __m512 m = Derived ? _mm512_mul_ps(a, m_factor) : kMins ? offset(g) : _mm512_setzero_ps();
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (r0 + r) * per_row + g;
         const __m512i dot = group_dot(weights, x.q + (r0 + r) * x.stride + g * kGroup);
@@ -242,16 +245,19 @@ void over_blocks(int64_t blocks, int64_t rows, F&& f) {
     for (int64_t r0 = 0; r0 < rows; r0 += Most) with_rows<Most>(std::min<int64_t>(Most, rows - r0), [&](auto tile) { f(b, r0, tile); });
 }
 
-template <int Bits, typename Scale, int Group>
+template <int Bits, typename Scale, int Group, bool Derived = false>
 void quant_part(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
   over_blocks<kMaxRows>(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) {
-    quant_block<Bits, Scale, Group, tile.value>(w, b, x, r0, out, out_stride, accumulate);
+    quant_block<Bits, Scale, Group, Derived, tile.value>(w, b, x, r0, out, out_stride, accumulate);
   });
 }
 
 template <int Bits, int Group>
 void by_scales(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
   using Sub = std::conditional_t<(Bits >= 6), int8_t, uint8_t>;  // a K-quant's sc: Q6_K's signed, Q4_K/Q5_K's 6-bit
+  if constexpr (Bits < 6) {
+    if (w.m_factor) return quant_part<Bits, uint16_t, Group, true>(w, x, rows, out, out_stride, accumulate);
+  }
   if (w.scale_bytes == 2)
     quant_part<Bits, uint16_t, Group>(w, x, rows, out, out_stride, accumulate);
   else if (w.scale_bytes == 4)
@@ -265,7 +271,8 @@ bool known_format(const QuantMatrix& w) {
   for (const QuantMatrix* part = &w; part; part = part->next) {
     const bool super = part->super_scales && (part->bits >= 6 || part->super_mins) && part->k % 256 == 0;
     const bool scales = part->scale_bytes == 2 || part->scale_bytes == 4 || (part->scale_bytes == 1 && super);
-    const bool ok = (part->bits == 4 || part->bits == 5) ? part->group == 32 && part->mins
+    const bool derived = part->m_factor && !part->mins && part->scale_bytes == 2;
+    const bool ok = (part->bits == 4 || part->bits == 5) ? part->group == 32 && (part->mins || derived)
                                                          : (part->bits == 6 || part->bits == 8) && (part->group == 32 || part->group == 16);
     if (!scales || !ok || part->n % kBlockN || part->k != w.k) return false;
   }

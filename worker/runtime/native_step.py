@@ -34,6 +34,7 @@ from worker.model.decoder import Block, DecoderModel, GatedMLP
 from worker.model.llama import DecoderLayer, LlamaModel
 from worker.model.native_pack import (
     BLOCK_N,
+    NATIVE_TYPES,
     QuantMatrix,
     kernel_format,
     kernel_refusal,
@@ -44,7 +45,7 @@ from worker.model.native_pack import (
 from worker.model.norm import RMSNorm
 from worker.model.paged_attention import paged_attention
 from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear
-from worker.model.weights import INT4_GROUP
+from worker.model.weights import INT4_GROUP, QuantBlocks
 from worker.native import build
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class ModelStruct(ctypes.Structure):
         ("inv_freq", ctypes.c_void_p), ("rope_factor", ctypes.c_void_p), ("embed_scale", ctypes.c_float),
         ("attention_scale", ctypes.c_float), ("attention_softcap", ctypes.c_float), ("activation", ctypes.c_int64),
         ("embed", ctypes.c_void_p), ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
-        ("head_scale", ctypes.c_void_p), ("amx_from_rows", ctypes.c_int64),
+        ("head_scale", ctypes.c_void_p), ("amx_from_rows", ctypes.c_int64), ("head_blocks", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -80,7 +81,8 @@ class StepStruct(ctypes.Structure):
                 ("contexts", ctypes.c_void_p), ("page_tables", ctypes.c_void_p), ("page_table_stride", ctypes.c_int64),
                 ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p), ("layer_stride", ctypes.c_int64),
                 ("page_size", ctypes.c_int64), ("logit_rows", ctypes.c_void_p), ("logit_count", ctypes.c_int64),
-                ("logits", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p)]  # fmt: skip
+                ("logits", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p),
+                ("one_row_per_sequence", ctypes.c_int64)]  # fmt: skip
 
 
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +97,20 @@ def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = q.shape
     packed = q.view(rows // BLOCK_N, BLOCK_N, k // 2, 2).transpose(1, 2).contiguous()
     return packed, torch.nn.functional.pad(small.scale.float(), (0, pad)).contiguous()
+
+
+def head_file_blocks(checkpoint: Checkpoint, config) -> QuantBlocks | None:
+    """The output head's own blocks where its file keeps it in fewer bits than int8 (Q4_*, Q5_*, Q6_K: the
+    native kernels read them as they are, fewer bytes a token than int8 per row and no second rounding);
+    None for an int8-class or float head (Q8_0, F16: int8 per row, as always) or rows not in blocks of 16."""
+    tied = config.tie_word_embeddings or "lm_head.weight" not in checkpoint.weights
+    source = checkpoint.weights.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    if source is None or source.qtype not in NATIVE_TYPES:
+        return None
+    blocks = source.blocks()
+    if blocks is None or blocks.bits >= 8 or blocks.q.shape[0] % BLOCK_N or blocks.q.shape[1] != config.hidden_size:
+        return None
+    return None if blocks.super is not None and config.hidden_size % 256 else blocks  # the kernel's K-quant rule
 
 
 @dataclass(frozen=True)
@@ -268,8 +284,14 @@ class NativeSteps:
         if amx_from_rows and not all(f.endswith(" as int4/fp16/32") for f in self.formats.values()):
             log.info("AMX tiles off: they run int4 weights with fp16 scales only; every step on VNNI")
             amx_from_rows = 0
-        head_q, head_scale = head_int8(model.lm_head)
-        self.head_rows = head_q.shape[0] * BLOCK_N
+        head_blocks = head_file_blocks(checkpoint, config)
+        self.head_format = "int8 per row" if head_blocks is None else kernel_format(head_blocks)
+        if head_blocks is None:
+            head_q, head_scale = head_int8(model.lm_head)
+            self.head_rows, head_matrix = head_q.shape[0] * BLOCK_N, None
+        else:
+            head_q = head_scale = None
+            self.head_rows, head_matrix = head_blocks.q.shape[0], matrix(pack_parts([head_blocks]), self._keep)
         inv_freq = torch.stack([rotary.inv_freq.float() for rotary in form.rotaries]).contiguous()
         rope_factor = torch.tensor([float(rotary.attention_factor) for rotary in form.rotaries], dtype=torch.float32)
         first = form.layers[0]
@@ -283,7 +305,9 @@ class NativeSteps:
             attention_softcap=first.softcap or 0.0, activation=ACTIVATIONS[first.activation],
             embed=self._pointer(model.embed_tokens.data), layer=ctypes.addressof(self._layers),
             final_norm=self._pointer(model.norm.weight.float().contiguous()),
-            head=self._pointer(head_q), head_scale=self._pointer(head_scale), amx_from_rows=amx_from_rows,
+            head=self._optional_pointer(head_q), head_scale=self._optional_pointer(head_scale),
+            amx_from_rows=amx_from_rows,
+            head_blocks=None if head_matrix is None else ctypes.addressof(head_matrix),
         )  # fmt: skip
         library.lmq_step.argtypes = [ctypes.POINTER(ModelStruct), ctypes.POINTER(StepStruct), ctypes.c_int]
         library.lmq_step.restype = ctypes.c_int
@@ -308,12 +332,18 @@ class NativeSteps:
         tiles = f", from {steps.struct.amx_from_rows} rows on AMX tiles" if steps.struct.amx_from_rows else ""
         kinds = collections.Counter(f.split(" as ")[0] for f in steps.formats.values())
         weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
-        log.info("steps%s run natively (one call per step; linears %s x int16 on VNNI%s)", limit, weights, tiles)
+        log.info(
+            "steps%s run natively (one call per step; linears %s x int16 on VNNI%s; head %s)",
+            limit, weights, tiles, steps.head_format,
+        )  # fmt: skip
         return steps
 
     def _pointer(self, tensor: torch.Tensor) -> int:
         self._keep.append(tensor)
         return tensor.data_ptr()
+
+    def _optional_pointer(self, tensor: torch.Tensor | None) -> int | None:
+        return None if tensor is None else self._pointer(tensor)
 
     def _optional(self, norm: RMSNorm | None) -> int | None:
         return None if norm is None else self._pointer(norm.weight.float().contiguous())
@@ -372,6 +402,7 @@ class NativeSteps:
             k_pool=k.data_ptr(), v_pool=v.data_ptr(), layer_stride=k[0].numel(), page_size=k.shape[2],
             logit_rows=logit_rows.data_ptr(), logit_count=logit_rows.numel(), logits=logits.data_ptr(),
             phase_seconds=None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
+            one_row_per_sequence=int(batch.is_decode_only),
         )  # fmt: skip
         status = self.library.lmq_step(ctypes.byref(self.struct), ctypes.byref(step), self.threads)
         if status != 0:

@@ -21,7 +21,7 @@ from gguf.quants import dequantize
 
 from tests.support.gguf_blocks import raw_tensor
 from worker.model.gguf_blocks import FORMATS, gguf_blocks
-from worker.model.native_pack import kernel_format, matrix, pack_parts
+from worker.model.native_pack import PackedMatrix, _by_block, kernel_format, matrix, pack_parts
 from worker.model.weights import QuantBlocks
 from worker.native import build
 
@@ -42,10 +42,13 @@ EXPECTED_FORMATS = {
 
 
 def native_linear(parts: list[QuantBlocks], x: torch.Tensor, threads: int = 2) -> torch.Tensor:
+    return native_linear_packed(pack_parts(parts), x, threads)
+
+
+def native_linear_packed(packed: list[PackedMatrix], x: torch.Tensor, threads: int = 2) -> torch.Tensor:
     library = build.load()
     library.lmq_linear.restype = ctypes.c_int
     keep: list = []
-    packed = pack_parts(parts)
     struct = matrix(packed, keep)
     n = sum(part.n for part in packed)
     out = torch.full((x.shape[0], n), float("nan"))
@@ -136,3 +139,18 @@ def test_k_quants_own_scales_multiply_out_to_the_loaders_float32_ones(qtype: QTy
     assert kernel_format(flat).endswith("f32/" + str(blocks.group))
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(1))
     assert torch.equal(native_linear([blocks], x), native_linear([flat], x))
+
+
+@pytest.mark.parametrize(("qtype", "bits_per_weight"), [(QType.Q4_0, 4.5), (QType.Q5_0, 5.5)], ids=["Q4_0", "Q5_0"])
+def test_q4_0_and_q5_0_keep_no_mins_and_give_the_same_outputs_as_stored_ones(qtype: QType, bits_per_weight) -> None:
+    """Their min is -8 (-16) times the scale: the kernel forms it from the scale, so the packed matrix is
+    the file's size (a one-row step reads every byte of it), and the outputs are bit for bit those of the
+    same blocks with their mins stored (the layout Q4_1 and Q5_1 run on)."""
+    n, k = 48, 512
+    blocks = gguf_blocks(raw_tensor(qtype, n, k, seed=3), qtype, n, k)
+    (packed,) = pack_parts([blocks])
+    assert packed.mins is None and packed.m_factor == -(1 << (blocks.bits - 1))
+    assert packed.nbytes() * 8 / (n * k) == bits_per_weight
+    stored = dataclasses.replace(packed, mins=_by_block(blocks.min.half()), m_factor=0)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-1, 1, k)
+    assert torch.equal(native_linear_packed([packed], x), native_linear_packed([stored], x))

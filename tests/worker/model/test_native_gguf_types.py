@@ -54,8 +54,9 @@ def _shape(part: str) -> tuple[int, int]:
 
 
 def write_mixed_gguf(
-    path: pathlib.Path, tokenizer_dir: pathlib.Path, layer_types: list[dict[str, QType]]
+    path: pathlib.Path, tokenizer_dir: pathlib.Path, layer_types: list[dict[str, QType]], head: QType | None = None
 ) -> pathlib.Path:
+    """head: the output head's type (None: F32)."""
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
     merges = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["merges"]
     tokens = sorted(vocab, key=vocab.get)
@@ -77,7 +78,10 @@ def write_mixed_gguf(
     writer.add_eos_token_id(vocab["<|im_end|>"])
     rng = np.random.default_rng(0)
     writer.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), HIDDEN)) * 0.5).astype(np.float32))
-    writer.add_tensor("output.weight", (rng.standard_normal((len(tokens), HIDDEN)) * 0.1).astype(np.float32))
+    if head is None:
+        writer.add_tensor("output.weight", (rng.standard_normal((len(tokens), HIDDEN)) * 0.1).astype(np.float32))
+    else:
+        writer.add_tensor("output.weight", raw_tensor(head, len(tokens), HIDDEN, seed=7), raw_dtype=head)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     for layer, types in enumerate(layer_types):
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
@@ -169,3 +173,23 @@ def test_amx_tiles_are_off_for_the_formats_they_do_not_run(mixed_gguf: pathlib.P
     kv = allocate_kv(loaded.config, num_pages=2, page_size=16, dtype=loaded.dtype)
     with pytest.raises(RuntimeError, match="weight formats on AMX tiles"):
         steps.forward(make_batch([Chunk(list(range(10, 20)), 0, [0])], 16), kv)
+
+
+def test_a_head_kept_in_fewer_bits_than_int8_runs_on_its_file_blocks(mixed_gguf: pathlib.Path, tmp_path) -> None:
+    """A Q6_K head (what llama-quantize writes for Q4_0 and Q4_K_M files) is read as its file holds it:
+    6.56 bits a weight rather than int8 per row, and the logits are those of the file's own head, so they
+    stay as close to float32 as with an F32 head; a Q8_0 head stays int8 per row (the default model's)."""
+    path = write_mixed_gguf(tmp_path / "head.Q6_K.gguf", mixed_gguf.parent / "tokenizer", LAYER_TYPES, QType.Q6_K)
+    native = backend_for(load_model(str(path), dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant"))
+    assert isinstance(native, CpuNativeBackend)
+    assert native.native.head_format == "Q6_K as int6/k8/16" and not native.native.struct.head
+    ids = list(range(40, 80))
+    reference = teacher_forced_logits(
+        backend_for(load_model(str(path), dtype="float32", quant="none", device="cpu")), ids
+    )
+    native_kl = mean_kl(reference, teacher_forced_logits(native, ids))
+    assert native.served["native"] == 5
+    assert native_kl < 2e-4, native_kl  # measured ~6e-5, as with the F32 head (int8 per row of it)
+    q8 = write_mixed_gguf(tmp_path / "head.Q8_0.gguf", mixed_gguf.parent / "tokenizer", LAYER_TYPES, QType.Q8_0)
+    loaded = load_model(str(q8), dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")
+    assert backend_for(loaded).native.head_format == "int8 per row"
