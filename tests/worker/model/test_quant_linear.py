@@ -40,3 +40,15 @@ def test_int8_linear_stays_within_quantization_error(weight: torch.Tensor) -> No
     # Symmetric per-row int8 rounds each weight by at most half a step, max|w_row| / 254.
     bound = x.abs().sum(-1, keepdim=True) * weight.abs().amax(-1) / 254
     assert ((out - expected).abs() <= bound + 1e-5).all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_step_with_no_logit_rows_gets_an_empty_answer(weight: torch.Tensor, kind: str) -> None:
+    """A prompt chunk that samples nothing asks the head for zero rows: a 1,163-token prompt on a GGUF
+    whose head is int8 on the torch path (llama-quantize's Qwen3 Q4_0) failed with HTTP 500."""
+    layer = (
+        Int8Linear(weight, None, torch.float32)
+        if kind == "int8"
+        else Int4Linear(quantize_int4(weight), None, torch.float32)
+    )
+    assert layer(torch.zeros(0, weight.shape[1])).shape == (0, weight.shape[0])
