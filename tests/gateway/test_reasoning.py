@@ -22,10 +22,9 @@ import openai
 import pytest
 
 import protocol
-from gateway import anthropic as anthropic_api
 from gateway import openai as openai_api
 from tests.support.gateway_harness import MODEL, REAL_MODEL, real_worker, running_gateway, worker_running
-from tests.support.thinking_model import QUESTION, QWEN3_TEMPLATE, THINK_THEN_ANSWER, make_tiny_qwen3
+from tests.support.thinking_model import QUESTION, QWEN3_TEMPLATE, make_tiny_qwen3, thinking_service
 from worker.model.chat_template import ChatTemplate
 from worker.model.loader import LoadedModel
 
@@ -161,10 +160,7 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 @pytest.fixture
 async def qwen3_url(redis_url, tiny_qwen3, monkeypatch):
-    # The scripted output: every answer's constraint is the regex (the APIs take no regex of their own).
-    monkeypatch.setattr(openai_api, "parse_response_format", lambda body: THINK_THEN_ANSWER)
-    monkeypatch.setattr(anthropic_api, "parse_output_format", lambda body: THINK_THEN_ANSWER)
-    async with real_worker(redis_url, tiny_qwen3, kv_memory="16MiB"), running_gateway(redis_url) as url:
+    async with thinking_service(redis_url, tiny_qwen3, monkeypatch) as url:
         yield url
 
 

@@ -10,9 +10,16 @@ structured-output parser (gateway/openai.py `parse_response_format`, gateway/ant
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
+from collections.abc import AsyncIterator
 
+import pytest
+
+from gateway import anthropic as anthropic_api
+from gateway import openai as openai_api
+from tests.support.gateway_harness import real_worker, running_gateway
 from tests.support.tiny_families import FAMILY_BY_NAME, make_family_model
 from worker.model.loader import LoadedModel, load_model
 
@@ -30,3 +37,13 @@ def make_tiny_qwen3(directory: pathlib.Path) -> LoadedModel:
     template = QWEN3_TEMPLATE.read_text(encoding="utf-8")
     make_family_model(spec, directory, chat_template=template)
     return load_model(str(directory), dtype="float32", quant="none", device="cpu")
+
+
+@contextlib.asynccontextmanager
+async def thinking_service(redis_url: str, model: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    """A real worker serving `model` and a gateway, every answer's constraint swapped for THINK_THEN_ANSWER
+    (the APIs take no regex of their own); yields the gateway's URL."""
+    monkeypatch.setattr(openai_api, "parse_response_format", lambda body: THINK_THEN_ANSWER)
+    monkeypatch.setattr(anthropic_api, "parse_output_format", lambda body: THINK_THEN_ANSWER)
+    async with real_worker(redis_url, model, kv_memory="16MiB"), running_gateway(redis_url) as url:
+        yield url

@@ -18,14 +18,12 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 import protocol
-from gateway import anthropic as anthropic_api
-from gateway import openai as openai_api
 from gateway import thinking_signature
 from gateway.batches import items
 from gateway.batches.item_run import ItemRun
 from tests.support.batch_files import file_lines, jsonl, openai_batch_end, poll
-from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
-from tests.support.thinking_model import QUESTION, THINK_THEN_ANSWER, make_tiny_qwen3
+from tests.support.gateway_harness import REAL_MODEL
+from tests.support.thinking_model import QUESTION, make_tiny_qwen3, thinking_service
 from worker.model.loader import LoadedModel
 
 SECRET = "batch-thinking-secret"
@@ -73,9 +71,7 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 @pytest.fixture
 async def url(redis_url, tiny_qwen3, monkeypatch):
-    monkeypatch.setattr(openai_api, "parse_response_format", lambda body: THINK_THEN_ANSWER)
-    monkeypatch.setattr(anthropic_api, "parse_output_format", lambda body: THINK_THEN_ANSWER)
-    async with real_worker(redis_url, tiny_qwen3, kv_memory="16MiB"), running_gateway(redis_url) as url:
+    async with thinking_service(redis_url, tiny_qwen3, monkeypatch) as url:
         yield url
 
 
