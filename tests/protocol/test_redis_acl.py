@@ -1,5 +1,7 @@
 """The ACL user of docs/deploy.md (created from the doc's own line, tests/support/redis_acl.py) can run
-everything lmq does on `lmq:` keys and channels, on every kind of server, and nothing outside."""
+everything lmq does on `lmq:` keys and channels, on every kind of server, and nothing outside. It has no
+MULTI/EXEC: every write of lmq's that must land whole is one Lua script (process stacks run as this user,
+so a code path that still sent MULTI would fail their tests)."""
 
 import shlex
 
@@ -37,9 +39,9 @@ async def test_the_queue_commands(lmq_user):
     assert await r.xdel(STREAM, entry) == 1
 
 
-async def test_a_step_transaction_heartbeats_and_scans(lmq_user):
+async def test_a_pipeline_heartbeats_and_scans(lmq_user):
     r = lmq_user
-    async with r.pipeline(transaction=True) as pipe:
+    async with r.pipeline(transaction=False) as pipe:
         pipe.publish("lmq:reply:g1", b"events")
         pipe.rpush("lmq:progress:1", 1, 2, 3)
         pipe.expire("lmq:progress:1", 3600)
@@ -71,9 +73,9 @@ async def test_lua_scripts(lmq_user):
     assert await r.eval("return redis.call('INCR', KEYS[1])", 1, "lmq:counter") == 1
     sha = await r.script_load("return redis.call('INCRBY', KEYS[1], ARGV[1])")
     assert await r.evalsha(sha, 1, "lmq:counter", 5) == 6
-    # A Script object in a transaction: redis-py runs SCRIPT EXISTS, then SCRIPT LOAD, then EVALSHA.
+    # A Script object in a pipeline: redis-py runs SCRIPT EXISTS, then SCRIPT LOAD, then EVALSHA.
     script = r.register_script("redis.call('PUBLISH', KEYS[1], ARGV[1]); return redis.call('DECR', KEYS[2])")
-    async with r.pipeline(transaction=True) as pipe:
+    async with r.pipeline(transaction=False) as pipe:
         await script(keys=["lmq:reply:g1", "lmq:counter"], args=[b"x"], client=pipe)
         assert await pipe.execute() == [5]
 
@@ -103,18 +105,15 @@ async def test_nothing_outside_lmq(lmq_user):
     await pubsub.aclose()
 
 
-async def test_one_refused_command_aborts_the_whole_transaction(lmq_user):
-    """What a worker's step pipeline meets when a producer names a reply key outside `lmq:`:
-    the server refuses the command while queueing it, and EXEC then runs nothing at all."""
-    r = lmq_user
-    await r.xadd(STREAM, {"msg": b"request"})
-    async with r.pipeline(transaction=True) as pipe:
-        pipe.publish("lmq:reply:g1", b"events")
-        pipe.xadd(OUTSIDE, {"msg": b"event"})
-        pipe.delete(STREAM)
-        with pytest.raises(NoPermissionError):
-            await pipe.execute()
-    assert await r.xlen(STREAM) == 1
+async def test_the_user_has_no_transactions(lmq_user):
+    """lmq sends no MULTI (its multi-key writes are scripts, which a cluster runs on one slot), so the
+    documented user is not granted one."""
+    with pytest.raises(NoPermissionError):
+        await lmq_user.execute_command("MULTI")
+    with pytest.raises(NoPermissionError):
+        await lmq_user.execute_command("WATCH", "lmq:counter")
+    with pytest.raises(ResponseError, match="NOPERM"):
+        await lmq_user.execute_command("EXEC")
 
 
 async def test_running_the_line_again_resets_the_user(any_redis_url):
