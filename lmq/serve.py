@@ -146,15 +146,16 @@ def _sentinel_refusal(address) -> str:
     """Why the first sentinel that cannot be reached cannot be, in redis-py's words (its
     MasterNotFoundError names each sentinel's error only by its class); "" when all answer."""
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     from protocol.redis_client import SENTINEL_SOCKET_TIMEOUT_S
 
     tls = address.tls.client_kwargs() if address.tls else {}
     timeouts = {"socket_timeout": SENTINEL_SOCKET_TIMEOUT_S, "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT_S}
     for host, port in address.sentinels:
-        client = redis.Redis(
-            host, port, username=address.sentinel_username, password=address.sentinel_password, **tls, **timeouts
-        )
+        login = {"username": address.sentinel_username, "password": address.sentinel_password}
+        client = redis.Redis(host, port, **login, **tls, **timeouts, retry=Retry(NoBackoff(), 0))
         try:
             client.ping()
         except redis.RedisError as exc:

@@ -28,11 +28,12 @@ import redis
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel
 import redis.cluster
+import redis.retry
 import redis.sentinel
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ClusterDownError, ConnectionError, RedisClusterException, RedisError, TimeoutError
 
 from .cluster_url import is_cluster_url, parse_cluster_url
@@ -76,7 +77,9 @@ def connect(url: str) -> aioredis.Redis:
 
 
 def connect_sync(url: str, **connection_options) -> redis.Redis:
-    """A blocking client for one-off checks (lmq's start-up PING), any of `connect`'s URLs."""
+    """A blocking client for one-off checks (lmq's start-up PING), any of `connect`'s URLs. It does not
+    retry (a Sentinel set's primary and sentinel connections each retried with backoff: 13.7 s where the
+    check's timeout was 2 s); the check itself says what failed."""
     if is_cluster_url(url):
         address = parse_cluster_url(url)
         nodes = [redis.cluster.ClusterNode(host, port) for host, port in address.nodes]
@@ -87,12 +90,12 @@ def connect_sync(url: str, **connection_options) -> redis.Redis:
             **_tls(address.tls),
             **connection_options,
         )
+    connection_options = {"retry": redis.retry.Retry(NoBackoff(), 0), **connection_options}
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **connection_options)
     address = parse_sentinel_url(url)
-    return _sentinels(redis.sentinel.Sentinel, address).master_for(
-        address.service, **{**_primary_login(address), **connection_options}
-    )
+    sentinels = _sentinels(redis.sentinel.Sentinel, address, retry=connection_options["retry"])
+    return sentinels.master_for(address.service, **{**_primary_login(address), **connection_options})
 
 
 async def pubsub(client: aioredis.Redis) -> aioredis.client.PubSub:
@@ -172,13 +175,13 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, aioredis.BlockingCo
             await self.sentinel_manager.aclose()
 
 
-def _sentinels(kind: type, address: SentinelAddress):
+def _sentinels(kind: type, address: SentinelAddress, **options):
     login = {"username": address.sentinel_username, "password": address.sentinel_password}
     timeouts = {"socket_timeout": SENTINEL_SOCKET_TIMEOUT_S, "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT_S}
     return kind(
         list(address.sentinels),
         min_other_sentinels=address.min_other_sentinels,
-        sentinel_kwargs={**login, **timeouts, **_tls(address.tls)},
+        sentinel_kwargs={**login, **timeouts, **_tls(address.tls), **options},
     )
 
 
