@@ -91,7 +91,22 @@ class PackedLinear(torch.nn.Module):
 
 
 def packed_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and torch.backends.mkldnn.is_available()
+    """Whether oneDNN can pack weights of `dtype` here: float32 on any CPU, bfloat16 only where it has a bfloat16
+    path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU such as AMD Zen 3 its reorder raises)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_packs_bfloat16())
+
+
+def onednn_packs_bfloat16() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+    """Dense weights packed for oneDNN where it can pack them, else as they are (the same results as F.linear)."""
+    if packed_linear_supported(weight.device, weight.dtype):
+        return PackedLinear(weight, bias)
+    return DenseLinear(weight, bias)
 
 
 class TieredLinear(torch.nn.Module):

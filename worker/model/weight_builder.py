@@ -10,8 +10,8 @@ from worker.model.quant_linear import (
     DenseLinear,
     Int4Linear,
     Int8Linear,
-    PackedLinear,
     TieredLinear,
+    dense_linear,
     int4_supported,
     quantize_int4,
 )
@@ -70,12 +70,12 @@ class WeightBuilder:
         if self.head_int8_below is None:
             return DenseLinear(weight, None)
         small = Int8Linear(weight.float(), None, self.dtype).to(self.device)
-        return TieredLinear(small, PackedLinear(weight.to(self.dtype), None), self.head_int8_below)
+        return TieredLinear(small, dense_linear(weight.to(self.dtype), None), self.head_int8_below)
 
     def _tiered(self, small: torch.nn.Module, dense_weight, bias: torch.Tensor | None) -> torch.nn.Module:
         if self.dense_from_rows is None:
             return small
-        dense = PackedLinear(
+        dense = dense_linear(
             dense_weight().to(device=self.device, dtype=self.dtype), None if bias is None else bias.to(self.dtype)
         )
         return TieredLinear(small, dense, self.dense_from_rows)

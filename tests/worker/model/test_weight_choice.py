@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.model.quant_linear import Int4Linear, Int8Linear, PackedLinear, TieredLinear
+from worker.model.quant_linear import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    PackedLinear,
+    TieredLinear,
+    packed_linear_supported,
+)
 
 
 class Marker(torch.nn.Module):
@@ -27,6 +34,8 @@ def test_tiered_linear_takes_the_dense_weights_from_its_row_count_on() -> None:
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.0), (torch.float32, 1e-4)])
 def test_packed_linear_computes_what_f_linear_does(dtype: torch.dtype, tolerance: float) -> None:
+    if not packed_linear_supported(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(48, 32, generator=generator).to(dtype), torch.randn(48, generator=generator).to(dtype)
     for rows in (1, 5, 33):
@@ -37,19 +46,39 @@ def test_packed_linear_computes_what_f_linear_does(dtype: torch.dtype, tolerance
 @pytest.mark.slow
 def test_the_default_cpu_mode_runs_small_steps_on_int4_long_prompts_on_dense_copies() -> None:
     """`auto` is int4 linears with packed dense copies from DENSE_FROM_ROWS rows,
-    and the output head on int8 weights below HEAD_INT8_BELOW rows."""
+    and the output head on int8 weights below HEAD_INT8_BELOW rows. Where oneDNN packs no bfloat16 (an AVX2-only
+    CPU) the head's dense tier is a plain linear and the layers keep no dense copies."""
     from worker.model import loader
 
     auto = loader.load_model(device="cpu")
+    packs = packed_linear_supported(torch.device("cpu"), torch.bfloat16)
     head = auto.model.lm_head
-    assert (
-        isinstance(head, TieredLinear) and isinstance(head.small, Int8Linear) and isinstance(head.dense, PackedLinear)
-    )
+    assert isinstance(head, TieredLinear) and isinstance(head.small, Int8Linear)
+    assert isinstance(head.dense, PackedLinear if packs else DenseLinear)
     assert head.dense_from_rows == auto.head_int8_below == loader.HEAD_INT8_BELOW
     gate_up = auto.model.layers[0].gate_up
+    if not packs:
+        assert isinstance(gate_up, Int4Linear) and auto.dense_from_rows is None
+        return
     assert (
         isinstance(gate_up, TieredLinear)
         and isinstance(gate_up.small, Int4Linear)
         and isinstance(gate_up.dense, PackedLinear)
     )
     assert gate_up.dense_from_rows == auto.dense_from_rows == loader.DENSE_FROM_ROWS
+
+
+def test_the_tiered_head_builds_where_onednn_has_no_bfloat16_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an AVX2-only CPU (AMD Zen 3) oneDNN cannot pack bfloat16 weights (its reorder raises), so the head's
+    dense tier is a plain linear there, with the same results; the dense copies of the layers are not kept."""
+    from worker.model import quant_linear
+    from worker.model.dense_copies import dense_copies_fit
+    from worker.model.weight_builder import WeightBuilder
+
+    monkeypatch.setattr(quant_linear, "onednn_packs_bfloat16", lambda: False)
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    builder = WeightBuilder({}, torch.bfloat16, "int4", torch.device("cpu"), head_int8_below=4)
+    head = builder.head(weight)
+    x = torch.randn(8, 32).to(torch.bfloat16)
+    assert torch.equal(head(x), F.linear(x, weight.to(torch.bfloat16)))
+    assert not dense_copies_fit(torch.bfloat16, 1)
