@@ -4,6 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 STAMP := $(VENV)/.installed
+# pytest-xdist processes for make test and test-fast: most tests wait on processes, Redis and deadlines rather than
+# compute, so two side by side overlap those waits (docs/benchmarks.md, "The test suite's time"; TEST_PROCESSES=0: one)
+TEST_PROCESSES ?= 2
+PYTEST := $(BIN)/pytest -q -n $(TEST_PROCESSES) --dist loadscope
 
 .PHONY: install system-deps serve test test-fast test-long lint bench soak clean
 
@@ -26,7 +30,7 @@ system-deps:
 	bash .ci/system-deps
 
 test: install system-deps lint
-	$(BIN)/pytest -q -m "not long"
+	$(PYTEST) -m "not long"
 
 # the black-box target runs of minutes: ten Redis restarts and ten Sentinel failovers in a row under 16 streams,
 # and the chaos soak for 2 minutes (make test runs it for 1)
@@ -35,7 +39,7 @@ test-long: install
 
 # unit and in-process tests only, each under ~2 s (no default model, no process-level stacks, no long waits)
 test-fast: install
-	$(BIN)/pytest -q -m "not slow and not system"
+	$(PYTEST) -m "not slow and not system"
 
 lint: install
 	$(BIN)/ruff format --check .

@@ -8,13 +8,26 @@
 # The sources come from PyPI, inside the llama-cpp-python sdist (vendor/llama.cpp), so no git clone and
 # no network beyond pip. The instruction sets are named, not detected: GGML_NATIVE=ON crashed at thread-pool
 # start on the Intel machine (it lists AMX, which its VM does not let a process use), so AVX-512 with
-# VNNI, VBMI and BF16 are on and AMX off. LLAMA_AVX512=0 builds the AVX2 variant (for CPUs without AVX-512).
+# VNNI, VBMI and BF16 are on and AMX off where the CPU lists all four (/proc/cpuinfo), else the AVX2 variant
+# (an AVX-512 build dies with SIGILL on, e.g., AMD Zen 3). LLAMA_AVX512=1 or 0 forces one.
 # The build (~5-10 minutes on 2 cores) is cached: a second run only prints the path. DIR holds a
 # .gitignore of "*", so nothing in it is ever committed.
 set -euo pipefail
 dir="${1:-.bench/llama.cpp}"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-avx512="${LLAMA_AVX512:-1}"
+cpu_has_avx512() {
+    local flag
+    for flag in avx512f avx512_vnni avx512vbmi avx512_bf16; do
+        grep -q -w "$flag" /proc/cpuinfo 2>/dev/null || return 1
+    done
+}
+if [ -n "${LLAMA_AVX512:-}" ]; then
+    avx512="$LLAMA_AVX512"
+elif cpu_has_avx512; then
+    avx512=1
+else
+    avx512=0
+fi
 binary="$dir/build-avx512-$avx512/bin/llama-server"
 targets=(llama-server llama-quantize llama-perplexity)
 if [ -x "$binary" ] && [ -x "$(dirname "$binary")/llama-quantize" ] && [ -x "$(dirname "$binary")/llama-perplexity" ]; then
