@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 import protocol
 from protocol import REQUEST_GROUP
-from protocol.resume import RESUME_CHANNEL, resume_message
+from protocol.resume import RESUME_CHANNEL, resume_message, resumed_event
 from tests.support.worker_harness import (
     chat_request,
     enqueue,
@@ -52,13 +52,35 @@ async def _lose_the_last(redis, key: str, count: int) -> list[dict]:
 
 
 def _relayed(events: list[dict]) -> list[dict]:
-    """What a consumer takes: each seq once, in order (the resume rule), resume markers aside."""
-    taken, last = [], -1
+    """What a consumer takes (docs/protocol.md, resuming, rule 4): each seq once, in order, and never an
+    event that would leave a hole: a delta the worker wrote after the lost ones (its offset past the
+    tokens taken) is dropped, as the worker sends it again after them. Resume markers aside."""
+    taken, last, relayed = [], -1, 0
     for event in events:
-        if event["type"] != "resumed" and event["seq"] > last:
-            taken.append(event)
-            last = event["seq"]
+        if event["type"] == "resumed" or event["seq"] <= last or _leaves_a_hole(event, relayed):
+            continue
+        taken.append(event)
+        last = event["seq"]
+        relayed += len(event.get("token_ids", ()))
     return taken
+
+
+def _leaves_a_hole(event: dict, relayed: int) -> bool:
+    if event["type"] == "delta":
+        return event["offset"] != relayed
+    return event["type"] == "done" and event["usage"]["completion_tokens"] > relayed
+
+
+def test_a_delta_written_after_the_lost_ones_waits_for_its_resend() -> None:
+    """The order a reply stream has when the worker writes on between the loss and the resume (the
+    race a loaded machine gave the test below): kept 0-1, the lost 2-3 gone, 4 written after them,
+    then 2, 3 and 4 sent again. The consumer takes 4 only after 2 and 3, with no hole."""
+    kept = [protocol.delta_event("r", seq, "x", [seq], offset=seq) for seq in (0, 1)]
+    after = protocol.delta_event("r", 4, "x", [4], offset=4)
+    resent = [protocol.delta_event("r", seq, "x", [seq], offset=seq) for seq in (2, 3, 4)]
+    done = protocol.done_event("r", 5, "length", prompt_tokens=3, completion_tokens=5, cached_tokens=0)
+    relayed = _relayed([*kept, after, *resent, done, resumed_event("r", 5, 5)])
+    assert streamed_tokens(relayed) == [0, 1, 2, 3, 4] and relayed[-1]["type"] == "done"
 
 
 async def test_a_resume_re_establishes_the_request_and_sends_again_what_followed(tiny, any_redis_url, client):
