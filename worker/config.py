@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 # OpenMP threads that wait for work by spinning (libgomp's default) turn every parallel kernel into a
 # wait for a descheduled partner thread as soon as anything else wants the cores: on 2 shared cores a
 # decode step of the default model took 1,000 ms with 2 spinning threads and 45 ms with 2 sleeping ones
-# (docs/benchmarks.md, issue 15's levers). libgomp reads this when torch loads, and `lmq serve` / `lmq worker`
-# import this module first; a value the user set is kept.
+# (docs/dev/measurements.md, "Targets, and where the time goes", its levers). libgomp reads this when torch
+# loads, and `lmq serve` / `lmq worker` import this module first; a value the user set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # ...but a thread that sleeps at once turns each of the native step's ~300 barriers (one OpenMP team per
 # step, worker/native/decoder_step.cpp) into a futex wake-up: the default model's step at batch 1 took

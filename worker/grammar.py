@@ -1,6 +1,6 @@
 """Constrained decoding: a grammar decides, token by token, which tokens a sequence may sample next.
 
-The engine is llguidance (docs/benchmarks.md, "Constrained decoding", says why: a per-token cost
+The engine is llguidance (docs/dev/measurements.md, "Constrained decoding", says why: a per-token cost
 like the other engines', a context-free grammar with JSON Schema inside, schemas compiled in
 milliseconds, one small wheel with no dependencies). This module is the only one that talks to it:
 

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # Steps of this many rows and more run their linears on AMX tiles where the CPU has them: a tile product
 # costs about the same for 1 row as for 16, VNNI's grow with the rows: the crossover measured in
-# docs/benchmarks.md ("The native step's linears, second pass").
+# docs/dev/measurements.md ("The native step's linears, second pass").
 AMX_FROM_ROWS = 6
 PHASES = ("embedding, rope tables", "norms + quantizing x", "q/k/v", "rope + K/V write", "attention", "o_proj (+ quantizing)",
           "gate/up", "activation (+ quantizing)", "down", "final norm + head")  # fmt: skip
