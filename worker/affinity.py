@@ -21,7 +21,11 @@ own worker for every new entry: with W >= K workers each one's steps would touch
 though every shard has a worker waiting on it. Reading another's shard only DEFER_S after it
 showed a new entry leaves that entry to its own worker (blocked on that stream, it reads in well
 under a millisecond), and what is still there after DEFER_S is a backlog: the shard's worker is
-full, stopped or gone. So no worker idles for more than DEFER_S while another has a backlog.
+full, stopped or gone. The read after the deferral takes only entries no newer than the newest id
+its reader knew of before the deferral began (`up_to`): one that arrived during it, a millisecond
+before the read, is not yet a backlog, and taking it would make every step of its request write
+one more shard. So no worker idles for more than about two deferrals while another has a backlog:
+an entry that arrives during one is taken after the next.
 """
 
 from __future__ import annotations
@@ -77,6 +81,12 @@ class ShardAffinity:
 
     def preferred_lane(self, lane: str) -> bool:
         return self.lanes[lane].shard.index in self.preferred
+
+    def up_to(self, lane: str, seen: str) -> str | None:
+        """The newest entry the next read of `lane` may take, given `seen`, the newest entry id its reader
+        knew of before the deferral that precedes that read: on a preferred shard any (None); on another's
+        only those, which have waited a deferral (DEFER_S) for their own worker."""
+        return None if self.preferred_lane(lane) else seen
 
     async def defer(self, lane: str) -> None:
         """Before reading another's shard: DEFER_S, for its own worker to take what is new."""

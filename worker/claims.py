@@ -49,6 +49,66 @@ class Entry:
         return self.ref.entry_id
 
 
+FIRST_ID = "0-0"  # older than every entry
+
+
+@dataclass(frozen=True)
+class Read:
+    """What one read of a stream found: the entries now delivered to this consumer, the stream's newest
+    id at that moment, and whether nothing was left undelivered then (entries beyond `up_to` included)."""
+
+    entries: list[Entry]
+    newest: str
+    drained: bool
+
+
+# Deliver to ARGV[2] up to ARGV[3] entries never delivered to anyone: with ARGV[4] ("" = no limit) only
+# those no newer than that id, counted first (XRANGE from the group's last delivered id), so XREADGROUP
+# delivers no entry beyond it. Answers {the stream's newest id, 1 if nothing is left undelivered, the
+# entries}. A missing stream or group answers NOGROUP, as XREADGROUP would (worker/service.py recreates it).
+READ_LUA = r"""
+local stream, group, me, count, up_to = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+local newest = top[1] and top[1][1] or '0-0'
+local function deliver(n)
+  local got = redis.pcall('XREADGROUP', 'GROUP', group, me, 'COUNT', n, 'STREAMS', stream, '>')
+  if type(got) == 'table' and got.err then return nil, got end
+  return got and got[1] and got[1][2] or {}
+end
+if up_to == '' then
+  local entries, err = deliver(count)
+  if err then return err end
+  return {newest, #entries < count and 1 or 0, entries}
+end
+local groups = redis.pcall('XINFO', 'GROUPS', stream)
+local last
+if type(groups) == 'table' and not groups.err then
+  for _, fields in ipairs(groups) do
+    local named = {}
+    for k = 1, #fields, 2 do named[fields[k]] = fields[k + 1] end
+    if named['name'] == group then last = named['last-delivered-id'] end
+  end
+end
+if not last then return redis.error_reply("NOGROUP No such key '" .. stream .. "' or consumer group '" .. group .. "'") end
+local entries = {}
+local waiting = #redis.call('XRANGE', stream, '(' .. last, up_to, 'COUNT', count)
+if waiting > 0 then
+  local err
+  entries, err = deliver(waiting)
+  if err then return err end
+  last = entries[#entries][1]
+end
+local left = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)
+return {newest, #left == 0 and 1 or 0, entries}
+"""
+
+
+def _fields(flat: list[bytes] | None) -> dict[bytes, bytes]:
+    """An entry's fields as a script answers them (a flat list), as XREADGROUP's client answers them."""
+    flat = flat or []
+    return dict(zip(flat[::2], flat[1::2]))
+
+
 def is_missing_group(error: ResponseError) -> bool:
     """The stream or its group is gone (FLUSHALL, a Redis restarted without persistence, a deleted key)."""
     return str(error).startswith("NOGROUP")
@@ -63,6 +123,7 @@ class RequestStream:
         self.consumer = consumer
         self.lane = lane
         self._keep = redis.register_script(KEEP_LUA)
+        self._read = redis.register_script(READ_LUA)
 
     async def ensure_group(self) -> None:
         """Create the consumer group (and the stream); whoever starts first does it."""
@@ -75,20 +136,25 @@ class RequestStream:
         )
         return [self._entry(entry_id, fields) for entry_id, fields in reply[0][1]] if reply else []
 
-    async def read_available(self, count: int) -> tuple[list[Entry], str]:
-        """Up to `count` entries never delivered to anyone, without waiting, and a *mark* for `wait_beyond`.
+    async def read_available(self, count: int, up_to: str | None = None) -> Read:
+        """Up to `count` entries never delivered to anyone, without waiting; with `up_to`, only those no
+        newer than that id. One script call (`READ_LUA`): what it delivers, the stream's newest id and
+        whether anything is left undelivered are one moment's, so a caller that found nothing and was
+        told nothing is left may wait beyond `newest` (`wait_beyond`) and miss no entry: any entry
+        added since is newer (stream ids only grow)."""
+        newest, drained, entries = await self._read(
+            keys=[self.stream], args=[REQUEST_GROUP, self.consumer, count, up_to or ""]
+        )
+        return Read(
+            [self._entry(entry_id, _fields(flat)) for entry_id, flat in entries], reply_text(newest), bool(drained)
+        )
 
-        The mark is the id of the stream's newest entry, asked just before the read: when the read gets
-        nothing, every entry up to the mark was delivered already, and any entry added since is newer
-        than the mark (stream ids only grow), so waiting beyond it misses none."""
-        newest = await self.redis.xrevrange(self.stream, "+", "-", count=1)
-        mark = reply_text(newest[0][0]) if newest else "0-0"
-        return await self.read_new(count, None), mark
-
-    async def wait_beyond(self, mark: str, block_ms: int) -> None:
-        """Until the stream has an entry newer than `mark`, or `block_ms` passed. Takes nothing: a plain
-        XREAD, outside the group, so a worker waiting for work promises none of its slots to it."""
-        await self.redis.xread({self.stream: mark}, count=1, block=block_ms)
+    async def wait_beyond(self, mark: str, block_ms: int) -> str | None:
+        """Until the stream has an entry newer than `mark`, or `block_ms` passed: the first such entry's id,
+        or None. Takes nothing: a plain XREAD, outside the group, so a worker waiting for work promises none
+        of its slots to it."""
+        reply = await self.redis.xread({self.stream: mark}, count=1, block=block_ms)
+        return reply_text(reply[0][1][0][0]) if reply and reply[0][1] else None
 
     async def claim_idle(self, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over up to `count` entries that other consumers left idle for `min_idle_ms`.
@@ -183,12 +249,12 @@ class RequestStreams:
         """Up to `count` new entries of one lane's stream (each lane has its own reader)."""
         return await self.by_lane[lane].read_new(count, block_ms)
 
-    async def read_available(self, lane: str, count: int) -> tuple[list[Entry], str]:
-        """Up to `count` new entries of one lane's stream, without waiting, and its mark (`RequestStream.read_available`)."""
-        return await self.by_lane[lane].read_available(count)
+    async def read_available(self, lane: str, count: int, up_to: str | None = None) -> Read:
+        """Up to `count` new entries of one lane's stream (no newer than `up_to`), without waiting (`RequestStream.read_available`)."""
+        return await self.by_lane[lane].read_available(count, up_to)
 
-    async def wait_beyond(self, lane: str, mark: str, block_ms: int) -> None:
-        await self.by_lane[lane].wait_beyond(mark, block_ms)
+    async def wait_beyond(self, lane: str, mark: str, block_ms: int) -> str | None:
+        return await self.by_lane[lane].wait_beyond(mark, block_ms)
 
     async def claim_idle(self, min_idle_ms: int, counts: dict[str, int]) -> list[Entry]:
         """Take over idle entries, up to `counts[priority]` of each priority over all its lanes, interactive ones first."""

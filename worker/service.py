@@ -35,7 +35,7 @@ from protocol.resume import RESUME_CHANNEL
 from worker import compute_thread
 from worker.admission import AdmissionBudget
 from worker.affinity import ShardAffinity
-from worker.claims import Entry, EntryRef, RequestStreams, is_missing_group, model_lanes
+from worker.claims import FIRST_ID, Entry, EntryRef, Read, RequestStreams, is_missing_group, model_lanes
 from worker.config import WorkerConfig, parse_kv_memory
 from worker.engine import Engine, GenRequest, SeqOutput
 from worker.heartbeat import heartbeat_loop
@@ -189,12 +189,15 @@ class Worker:
 
     async def _read_lane(self, lane: str) -> None:
         """Take slots from the budget, read that many without blocking; with nothing there, wait for a new
-        entry holding no slot (so another lane's reader may use them meanwhile)."""
+        entry holding no slot (so another lane's reader may use them meanwhile). On another worker's
+        shard, only entries that were there before the deferral (worker/affinity.py)."""
         priority = self.stream.lanes[lane].priority
+        seen = FIRST_ID  # the newest entry id this reader knew of, before its next deferral begins
         while True:
             if not self.affinity.may_read(lane):  # another worker's shard, while ours have work
                 await self.affinity.changed()
                 continue
+            up_to = self.affinity.up_to(lane, seen)
             await self.affinity.defer(lane)  # another's shard: its own worker first
             if not self.affinity.may_read(lane):
                 continue
@@ -204,20 +207,26 @@ class Worker:
                 await self._room.wait()
                 continue
             try:
-                entries, mark = await self.stream.read_available(lane, slots)
+                read = await self.stream.read_available(lane, slots, up_to)
             except REDIS_FAILURES as exc:
                 self.budget.give_back(slots)
                 await self._recover_from(exc)
                 continue
-            self.budget.give_back(slots - len(entries))
-            self.affinity.found(lane, bool(entries))
-            try:
-                if entries:
-                    await self._admit_all(entries, claimed=False)
-                else:
-                    await self.stream.wait_beyond(lane, mark, READ_BLOCK_MS)
-            except REDIS_FAILURES as exc:
-                await self._recover_from(exc)
+            self.budget.give_back(slots - len(read.entries))
+            self.affinity.found(lane, bool(read.entries))
+            seen = await self._admit_or_wait(lane, read)
+
+    async def _admit_or_wait(self, lane: str, read: Read) -> str:
+        """Start what a read took, or with nothing left to take wait for a new entry; the newest entry id
+        known now (the one that ended the wait, else the read's)."""
+        try:
+            if read.entries:
+                await self._admit_all(read.entries, claimed=False)
+            elif read.drained:
+                return await self.stream.wait_beyond(lane, read.newest, READ_BLOCK_MS) or read.newest
+        except REDIS_FAILURES as exc:
+            await self._recover_from(exc)
+        return read.newest
 
     async def _admit_all(self, entries: list[Entry], *, claimed: bool) -> None:
         """Start or refuse each entry, giving its promised slot back once the engine counts it (all that

@@ -25,7 +25,9 @@ compare with one Redis's directly: what the cluster costs in all per token. A cl
 its busiest node is, not when the mean one is, so each level also reports every node's CPU share
 and EVALSHA calls, and the busiest node's utilisation decides `limit`. A worker writes each step
 with one script call per shard the step touches, so on a cluster the calls per token rise and with
-them the fixed per-call cost; that, not the per-token cost, is what sharding adds.
+them the fixed per-call cost; that, not the per-token cost, is what sharding adds. A worker's read
+is a script too (one XREVRANGE in each): each level also prints the step scripts' calls per 10k
+tokens apart from the reads'.
 
 `--versus-one-redis` (with `--cluster`) runs the same levels on one Redis too, in the same run and
 with the same code: both layouts are up at once and each level runs on one, then the other, for
@@ -353,6 +355,7 @@ def level_figures(summary: dict, cpu_s: dict[str, float], commands: dict[str, di
         }
         for name, values in ranked
     ]
+    level["script_calls_per_10k_tokens"] = call_figures(level)
     level["redis_nodes"] = node_figures(nodes, wall)
     level["redis_max_node_utilisation"] = max(node["utilisation"] for node in level["redis_nodes"])
     busiest_redis = level["utilisation"] | {"redis": level["redis_max_node_utilisation"]}
@@ -362,7 +365,7 @@ def level_figures(summary: dict, cpu_s: dict[str, float], commands: dict[str, di
 
 def node_figures(nodes: list[tuple[float, dict]], wall: float) -> list[dict]:
     """Per Redis node: its CPU seconds, utilisation, share of all the nodes' CPU, and EVALSHA calls
-    (how many step-script calls the shards it serves received)."""
+    (the step, keep and read scripts of the shards it serves)."""
     total = sum(cpu for cpu, _ in nodes)
     return [
         {
@@ -525,6 +528,27 @@ def commands_line(level: dict) -> str:
     return f"{level['concurrency']:>7} streams, Redis command time per 10k tokens: " + ", ".join(parts)
 
 
+def call_figures(level: dict) -> dict[str, float] | None:
+    """Script calls per 10k tokens, split: a worker's read is one script (worker/claims.py `READ_LUA`)
+    that runs XREVRANGE once, so the step (and keep) scripts are EVALSHA's calls less XREVRANGE's;
+    XREAD is a reader waiting for a new entry. None without tokens."""
+    per = {c["command"]: c["calls_per_10k_tokens"] for c in level["redis_commands"]}
+    if level["output_tokens"] == 0:
+        return None
+    evalsha, reads = per.get("evalsha", 0.0), per.get("xrevrange", 0.0)
+    return {"evalsha": evalsha, "reads": reads, "step_scripts": evalsha - reads, "waits": per.get("xread", 0.0)}
+
+
+def calls_line(level: dict) -> str:
+    calls = level["script_calls_per_10k_tokens"]
+    if calls is None:
+        return f"{level['concurrency']:>7} streams, calls: no tokens"
+    return (
+        f"{level['concurrency']:>7} streams, calls per 10k tokens: step scripts {calls['step_scripts']:.0f}"
+        f" (EVALSHA {calls['evalsha']:.0f} less {calls['reads']:.0f} reads), waits (XREAD) {calls['waits']:.0f}"
+    )
+
+
 def nodes_line(level: dict) -> str:
     nodes = level["redis_nodes"]
     shares = " ".join(f"{_num(None if n['cpu_share'] is None else n['cpu_share'] * 100)}%" for n in nodes)
@@ -538,6 +562,7 @@ def text_report(report: dict) -> str:
     lines = [HEADER, *(level_row(level) for level in levels), ""]
     lines += [commands_line(level) for level in levels]
     lines += ["(a script's time, EVALSHA's, includes that of the commands it calls, which are listed as well)"]
+    lines += [calls_line(level) for level in levels]
     if report["redis_layout"]["nodes"] > 1:
         lines += ["", *(nodes_line(level) for level in levels)]
         lines += ["(Redis's CPU seconds and commands above are sums over the nodes, its utilisation their mean)"]
@@ -545,6 +570,7 @@ def text_report(report: dict) -> str:
         one = report["one_redis_levels"]
         lines += ["", "one Redis, same code, same run:", *(level_row(level) for level in one), ""]
         lines += [commands_line(level) for level in one]
+        lines += [calls_line(level) for level in one]
         lines += ["", *(capacity_line(figures, figures["round"]) for figures in report["capacity"])]
     if any("balance" in level for level in levels):
         lines += ["", *(balance_line(level) for level in levels)]

@@ -37,6 +37,23 @@ def test_level_figures_per_10k_tokens_utilisation_and_command_ranking():
     assert level["limit"] == "none measured (latency-bound)"
 
 
+def test_the_step_scripts_calls_are_evalsha_s_less_the_reads():
+    """A worker's read is one script with one XREVRANGE in it (worker/claims.py READ_LUA)."""
+    summary = summarize(
+        4, [RequestResult(start=0.0, first_token=0.1, end=2.0, output_tokens=5000) for _ in range(4)], 2.0
+    )
+    cpu_s = {"redis": 0.5, "gateway": 2.0, "worker": 3.0, "client": 1.0}
+    commands = {
+        "evalsha": {"calls": 700, "usec": 90_000},
+        "xrevrange": {"calls": 200, "usec": 2_000},
+        "xread": {"calls": 150, "usec": 1_000},
+    }
+    level = redis_saturation.level_figures(summary, cpu_s, commands, gateways=2, workers=3, cores_busy=1.0)
+    calls = level["script_calls_per_10k_tokens"]  # 20k tokens: half the calls per 10k
+    assert calls == pytest.approx({"evalsha": 350, "reads": 100, "step_scripts": 250, "waits": 75})
+    assert "step scripts 250 (EVALSHA 350 less 100 reads), waits (XREAD) 75" in redis_saturation.calls_line(level)
+
+
 def test_a_level_without_tokens_has_no_per_token_figures():
     summary = summarize(2, [RequestResult(start=0.0, end=1.0, error="HTTP 503: busy")], wall_s=1.0)
     cpu_s = {"redis": 0.0, "gateway": 0.1, "worker": 0.1, "client": 0.1}
@@ -44,6 +61,7 @@ def test_a_level_without_tokens_has_no_per_token_figures():
     assert level["redis_core_tok_s"] is None
     assert set(level["cpu_s_per_10k_tokens"].values()) == {None}
     assert level["redis_commands"][0]["calls_per_10k_tokens"] is None
+    assert level["script_calls_per_10k_tokens"] is None
 
 
 def test_limit_names_the_full_machine_first_then_the_busiest_process():

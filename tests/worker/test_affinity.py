@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 
+import redis.asyncio as aioredis
+
+import protocol
+from protocol import Heartbeat
 from protocol.keys import sharded
-from worker import affinity
+from tests.support.worker_harness import MODEL, chat_request, stop_worker, wait_for, worker_config
+from worker import affinity, service
 from worker.affinity import ShardAffinity
 from worker.claims import model_lanes
+from worker.service import Worker
 
 
 def two_worker_affinity(worker: str = "w1") -> ShardAffinity:
@@ -41,3 +49,74 @@ async def test_reading_another_s_shard_waits_defer_s_and_an_own_shard_not_at_all
     await shards.defer("interactive@1")
     other = time.perf_counter() - started - own
     assert own < affinity.DEFER_S / 2 and other >= affinity.DEFER_S * 0.9, (own, other)
+
+
+async def test_a_reader_of_another_s_shard_takes_only_entries_that_were_there_before_its_wait(
+    tiny, redis_url, redis_client, monkeypatch
+):
+    """The deferral leaves a new entry to its shard's own worker; what the reader takes after it must be
+    what waited through it (a backlog), not also what arrived during it: each entry taken that way
+    makes every step of its request write one more shard. Here shard 1 belongs to `w2`, which never
+    reads (full, stopped or gone), so w1 must still take both of its entries: B one wait after A."""
+    layout = sharded(2)
+    monkeypatch.setattr(service, "shard_layout", lambda url: layout)
+    beat = Heartbeat(worker_id="w2", model=MODEL, capacity=4, running=0, waiting=0, kv_pages_used=0,
+                     kv_pages_total=1, time=time.time())  # fmt: skip
+    await redis_client.set(layout.home.worker_key("w2"), beat.encode(), ex=600)
+    foreign = layout.shards[1]
+    stream = foreign.request_stream(MODEL)
+    redis = aioredis.Redis.from_url(redis_url)
+    worker = Worker(worker_config(redis_url, "w1"), tiny, redis)
+    worker.affinity.assign(["w1", "w2"])
+    assert worker.affinity.preferred == {0}
+
+    before_wait: dict[str, set[str]] = {}  # lane -> the stream's entries when its reader's last wait began
+    added_b: list[str] = []
+    defer, admit_all = worker.affinity.defer, worker._admit_all
+
+    async def watched_defer(lane: str) -> None:
+        if not worker.affinity.preferred_lane(lane):
+            ids = {entry_id.decode() for entry_id, _ in await redis.xrange(worker.stream.lanes[lane].stream)}
+            before_wait[lane] = ids
+            if lane == "interactive@1" and ids and not added_b:  # A is there: B arrives during this wait
+                added_b.append((await redis.xadd(stream, {"msg": request("b", foreign).encode()})).decode())
+        await defer(lane)
+
+    taken: list[tuple[str, str, bool]] = []  # (lane, entry id, there when the wait before its read began)
+
+    async def watched_admit_all(entries, *, claimed):
+        for entry in entries:
+            lane = entry.ref.lane
+            if not claimed and not worker.affinity.preferred_lane(lane):
+                taken.append((lane, entry.entry_id, entry.entry_id in before_wait.get(lane, set())))
+        await admit_all(entries, claimed=claimed)
+
+    monkeypatch.setattr(worker.affinity, "defer", watched_defer)
+    monkeypatch.setattr(worker, "_admit_all", watched_admit_all)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await wait_for(lambda: readers_waiting(redis_client, len(worker.stream.lanes)), what="every reader waiting")
+        a = (await redis_client.xadd(stream, {"msg": request("a", foreign).encode()})).decode()
+
+        async def both_served() -> bool:
+            return len(taken) == 2 and await redis_client.xlen(stream) == 0
+
+        await wait_for(both_served, what="both entries of the other worker's shard taken and finished")
+    finally:
+        await stop_worker(task, stop, 30.0)
+        await redis.aclose()
+    assert [entry_id for _, entry_id, _ in taken] == [a, *added_b]
+    assert all(waited for _, _, waited in taken), f"taken in the read right after the wait it arrived in: {taken}"
+
+
+async def readers_waiting(redis: aioredis.Redis, count: int) -> bool:
+    """Whether `count` clients are blocked in an XREAD (a worker's lane readers, each waiting for a new entry)."""
+    return sum(client["cmd"] == "xread" and "b" in client["flags"] for client in await redis.client_list()) >= count
+
+
+def request(request_id: str, shard) -> protocol.Request:
+    """A greedy request of a few tokens whose events go to a reply stream in `shard`'s slot."""
+    return dataclasses.replace(
+        chat_request(request_id, max_tokens=4), reply=protocol.Reply("stream", shard.key(f"reply:test:{request_id}"))
+    )

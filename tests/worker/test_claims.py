@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from protocol import REQUEST_GROUP
-from worker.claims import RequestStream
+from worker.claims import RequestStream, is_missing_group
 
 STREAM = "lmq:req:test"
 HOUR_MS = 3_600_000
@@ -81,3 +83,66 @@ async def test_keeping_never_takes_an_entry_back_from_its_new_owner(any_redis_ur
     }
     assert owners == {taken.entry_id: b"new", still_mine.entry_id: b"stale"}
     await redis.aclose()
+
+
+async def test_a_read_takes_what_is_new_and_says_the_newest_id_and_whether_anything_is_left(any_redis_url):
+    """One script call on Redis 6.2 and Valkey 9: `drained` is what lets a reader wait beyond `newest`."""
+    redis = aioredis.Redis.from_url(any_redis_url)
+    reader = RequestStream(redis, STREAM, "w1")
+    await reader.ensure_group()
+    empty = await reader.read_available(4)
+    assert (empty.entries, empty.newest, empty.drained) == ([], "0-0", True)
+    ids = [(await redis.xadd(STREAM, {"msg": str(i)})).decode() for i in range(3)]
+    first = await reader.read_available(2)
+    assert [e.fields for e in first.entries] == [{b"msg": b"0"}, {b"msg": b"1"}]
+    assert (first.newest, first.drained) == (ids[2], False)
+    rest = await reader.read_available(2)
+    assert ([e.entry_id for e in rest.entries], rest.newest, rest.drained) == ([ids[2]], ids[2], True)
+    pending = await redis.xpending_range(STREAM, REQUEST_GROUP, min="-", max="+", count=10, consumername="w1")
+    assert [p["message_id"].decode() for p in pending] == ids
+    await redis.aclose()
+
+
+async def test_a_read_up_to_an_id_takes_no_newer_entry_and_says_what_is_left(any_redis_url):
+    """What a reader of another worker's shard does (worker/affinity.py): only entries that were there
+    when it began its wait, the oldest undelivered first, whoever took the ones before."""
+    redis = aioredis.Redis.from_url(any_redis_url)
+    own, other = RequestStream(redis, STREAM, "own"), RequestStream(redis, STREAM, "other")
+    await own.ensure_group()
+    ids = [(await redis.xadd(STREAM, {"msg": str(i)})).decode() for i in range(4)]
+    assert [e.entry_id for e in (await own.read_available(1)).entries] == ids[:1]  # the shard's own worker
+    before_wait = ids[2]
+    read = await other.read_available(4, up_to=before_wait)
+    assert ([e.entry_id for e in read.entries], read.newest, read.drained) == (ids[1:3], ids[3], False)
+    nothing = await other.read_available(4, up_to=before_wait)
+    assert (nothing.entries, nothing.drained) == ([], False), "the newer entry is still there, undelivered"
+    assert [e.entry_id for e in (await other.read_available(4, up_to=ids[3])).entries] == ids[3:]
+    assert (await other.read_available(4, up_to=ids[3])).drained
+    await redis.xdel(STREAM, *ids)  # finished entries are deleted: the group's last id outlives them
+    later = (await redis.xadd(STREAM, {"msg": "later"})).decode()
+    assert [e.entry_id for e in (await other.read_available(4, up_to=later)).entries] == [later]
+    await redis.aclose()
+
+
+@pytest.mark.parametrize("up_to", [None, "0-0"])
+async def test_a_read_of_a_lost_stream_or_group_answers_nogroup_as_xreadgroup_does(any_redis_url, up_to):
+    """The worker recreates the group on NOGROUP (a FLUSHALL, a Redis restarted empty): the script must say so."""
+    redis = aioredis.Redis.from_url(any_redis_url)
+    reader = RequestStream(redis, STREAM, "w1")
+    with pytest.raises(ResponseError) as missing_stream:
+        await reader.read_available(1, up_to)
+    await redis.xadd(STREAM, {"msg": "no group"})
+    with pytest.raises(ResponseError) as missing_group:
+        await reader.read_available(1, up_to)
+    assert is_missing_group(missing_stream.value) and is_missing_group(missing_group.value)
+    await redis.aclose()
+
+
+async def test_waiting_beyond_a_mark_answers_the_first_newer_entry_or_none(redis_client):
+    reader = RequestStream(redis_client, STREAM, "w1")
+    await reader.ensure_group()
+    mark = (await redis_client.xadd(STREAM, {"msg": "old"})).decode()
+    assert await reader.wait_beyond(mark, 10) is None
+    newer = [(await redis_client.xadd(STREAM, {"msg": str(i)})).decode() for i in range(2)]
+    assert await reader.wait_beyond(mark, 10) == newer[0]
+    assert (await reader.read_available(4)).newest == newer[1], "waiting took nothing"
