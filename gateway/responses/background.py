@@ -125,7 +125,7 @@ class Driver:
                     return await self._ended(record, builder, events)
                 await self._emit(events)
                 if event.get("type") == "started":
-                    await self.store.save(self.id, {"response": builder.response()})
+                    await self.store.update(self.id, {"response": builder.response()})
                     self.started = True
                     await self._free_place()
         return False
