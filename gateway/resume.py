@@ -9,6 +9,9 @@ taken only in order: one already relayed (its `seq` at or below the last relayed
 so is one that would leave a hole (a delta past the relayed tokens, a `done` that counts more),
 since the worker sends it again after the ones before it. No answer within the bound: the client
 gets the `unavailable` error it got before resuming existed.
+
+The batch runner resumes its items' runs by the same rules (`Resumption`, `ask_for`; its runs read
+durable reply streams: gateway/batches/item_run.py), after an outage and on a hole in a stream.
 """
 
 from __future__ import annotations
@@ -80,7 +83,12 @@ class Resumption:
 
 async def ask(redis: aioredis.Redis, request: protocol.Request, seq: int, offset: int, token: str) -> None:
     """Ask the request's worker for every event after `seq` (a failed ask is retried by the caller's loop)."""
+    await ask_for(redis, request.id, seq, offset, token)
+
+
+async def ask_for(redis: aioredis.Redis, request_id: str, seq: int, offset: int, token: str | None = None) -> None:
+    """`ask` by the request's id; `token` None for a request that names no cancel digest (a batch item's)."""
     try:
-        await redis.publish(RESUME_CHANNEL, resume_message(request.id, seq, offset, token))
+        await redis.publish(RESUME_CHANNEL, resume_message(request_id, seq, offset, token))
     except RedisError as exc:
-        log.info("request_id=%s: could not ask for a resume yet (%s)", request.id, exc)
+        log.info("request_id=%s: could not ask for a resume yet (%s)", request_id, exc)
