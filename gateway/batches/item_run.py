@@ -7,11 +7,11 @@ is at or below the last one taken is one the run has (read again, or sent again)
 
 A stream loses entries only with Redis's data (a promoted replica that lacked the old primary's
 last writes, a restart that lost the last second of its file). The run then resumes as a live
-relay does (gateway/resume.py, docs/protocol.md "Resuming after a broken subscription"): its worker
-is asked for every event after the last one taken (`due_ask`, the runner publishes it), events are
-taken only in order until the worker's `resumed` event, and only when no `resumed` comes within
-the resume bound is a hole a loss. A lost answer is never written as a result: the runner runs the
-item again.
+relay does (gateway/resume.py's `StreamOrder`, docs/protocol.md "Resuming after a broken
+subscription"): its worker is asked for every event after the last one taken (the runner publishes
+the ask), events are taken only in order until the worker's `resumed` event, and only when no
+`resumed` comes within the resume bound is a hole a loss. A lost answer is never written as a
+result: the runner runs the item again.
 
 A thinking model's text is split as the live relay splits it (gateway/reasoning.py, `Thinking`: the
 `started` event says whether and how the answer thinks), so `answer` holds the answer's text and
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..reasoning import Thinking
-from ..resume import Resumption
+from ..resume import DROP, LOST, StreamOrder
 from ..token_order import token_gap
 
 RESUME_S = 15.0  # the gateway's default resume_timeout; the runner gives each run its own setting
@@ -55,31 +55,18 @@ class ItemRun:
     tokens: int = 0  # completion tokens taken
     heard_at: float = field(default_factory=time.monotonic)  # the last event (or the start)
     withdrawn: bool = False
-    last_seq: int = -1  # of the last event taken: a resume asks for what came after it
-    resume: Resumption = field(default_factory=lambda: Resumption(RESUME_S))
-    holed: bool = False  # a hole was seen: unless a resume fills it, the run's events are lost
+    order: StreamOrder = field(default_factory=lambda: StreamOrder(RESUME_S))
     ended: Ended | None = None  # how it ended, once folded (kept until its outcome is written)
 
     def feed(self, event: dict[str, Any]) -> Ended | None:
         """Take one event from the reply stream; how the run ended, once it has."""
         self.heard_at = time.monotonic()
-        kind = event.get("type")
-        if kind == "resumed":
-            self.resume.answered()
-            self.holed = False
-            return None
-        if int(event.get("seq", 0)) <= self.last_seq:
-            return None  # one this run has: read again after a reconnect, or sent again by a resume
-        if self.resume.active and not Resumption.in_order(event, self.last_seq, self.tokens):
-            return None  # the worker sends it again after the ones before it
-        if kind == "error" and self.resume.active and event.get("code") == "unavailable":
+        verdict = self.order.admit(event, self.tokens)
+        if verdict == LOST:
             return Ended("lost")  # the worker no longer keeps what is missing: run the item again
-        if kind in ("delta", "done") and token_gap(event, self.tokens) > 0:
-            self.resume_now()  # entries lost with Redis's data: ask the worker for them
-            self.holed = True
+        if verdict == DROP:
             return None
-        if kind != "delta" or int(event.get("offset", 0)) >= self.tokens:  # not a re-run's repeat
-            self.last_seq = int(event.get("seq", self.last_seq))
+        kind = event.get("type")
         if kind == "delta":
             self._delta(event)
             return None
@@ -92,30 +79,18 @@ class ItemRun:
             self.thinking.started(event)
         return None  # and kinds a later worker may add
 
-    def lost_touch(self) -> None:
-        """The connection to Redis broke: the run waits, up to the resume bound, to be asked for."""
-        self.resume.interrupted(time.monotonic())
-
-    def resume_now(self) -> None:
-        """Connected again, or a hole seen: resume (within the bound the break started), asking at once."""
-        self.resume.resubscribed(time.monotonic())
+    def reconnected(self) -> None:
+        """Redis answers again after an outage: resume, asking the worker at once."""
+        self.order.resume_now()
         self.heard_at = time.monotonic()  # silent through the outage: not a run whose entry vanished
 
-    def due_ask(self) -> bool:
-        """Whether to ask the worker (again) now; if so, the ask counts as made."""
-        now = time.monotonic()
-        if self.resume.ask_in(now) != 0.0:
-            return False
-        self.resume.asked(now)
-        return True
-
     def resume_expired(self) -> Ended | None:
-        """Past the resume bound without a `resumed`: a hole seen is a loss; else nothing was lost
-        that the run knows of (no worker held it, or one that died: the claims go on), and it reads on."""
-        if not self.resume.active or time.monotonic() < (self.resume.until or 0.0):
-            return None
-        self.resume.answered()
-        return Ended("lost") if self.holed else None
+        """Past the resume bound with a hole no worker filled: lost (see StreamOrder.expired)."""
+        return Ended("lost") if self.order.expired() else None
+
+    @property
+    def resuming(self) -> bool:
+        return self.order.resume.active
 
     def _delta(self, event: dict[str, Any]) -> None:
         token_ids = list(event.get("token_ids") or [])

@@ -66,7 +66,7 @@ from protocol.redis_client import UNREACHABLE
 from ..context import Gateway
 from ..errors import ApiError
 from ..leased_drivers import LEASE_MS, Lease, LeasedDrivers
-from ..resume import Resumption, ask_for
+from ..resume import StreamOrder, ask_for
 from . import items, outputs
 from .item_run import Ended, ItemRun
 from .store import Batch, BatchStore, Run
@@ -150,7 +150,7 @@ class Driver:
             bound,
         )
         for run in self.runs.values():
-            run.lost_touch()
+            run.order.lost_touch()
         until = time.monotonic() + bound
         while time.monotonic() < until:
             await asyncio.sleep(RECONNECT_S)
@@ -159,7 +159,7 @@ class Driver:
             except UNREACHABLE:
                 continue
             for run in self.runs.values():
-                run.resume_now()
+                run.reconnected()
             self._reconnected = True
             log.warning(
                 "batch %s: redis answers again; %d runs ask their workers to resume", self.batch_id, len(self.runs)
@@ -292,7 +292,7 @@ class Driver:
             run.entry_id,
             self.store.reply_stream(self.batch_id, index, run.attempt),
             f"{self.batch_id}.{index}.{run.attempt}",
-            resume=Resumption(self.gateway.config.resume_timeout),
+            order=StreamOrder(self.gateway.config.resume_timeout),
         )
 
     # ------------------------------------------------------------ reading the runs
@@ -317,8 +317,8 @@ class Driver:
         """Ask the workers of resuming runs (again) for what they missed; a run past the bound with a
         hole is lost."""
         for run in list(self.runs.values()):
-            if run.due_ask():
-                await ask_for(self.store.redis, run.request_id, run.last_seq, run.tokens)
+            if run.order.due_ask():
+                await ask_for(self.store.redis, run.request_id, run.order.last_seq, run.tokens)
             ended = run.resume_expired()
             if ended is not None:
                 run.ended = ended
@@ -343,7 +343,7 @@ class Driver:
             return
         self._checked_at = now
         quiet = [
-            run for run in self.runs.values() if now - run.heard_at >= LOST_CHECK_S and not run.resume.active
+            run for run in self.runs.values() if now - run.heard_at >= LOST_CHECK_S and not run.resuming
         ]  # a resuming run's worker may re-establish its entry: the resume decides
         gone = await self.store.gone([Run(run.attempt, run.stream, run.entry_id) for run in quiet])
         for run, vanished in zip(quiet, gone):
@@ -354,7 +354,7 @@ class Driver:
                 run.reply_key, f"({run.cursor}" if run.cursor != "0-0" else "-", "+"
             )
             await self._fold(batch, run, entries, ending)
-            if self.runs.get(run.index) is run and not run.resume.active:
+            if self.runs.get(run.index) is run and not run.resuming:
                 run.ended = Ended("lost")
                 await self._settle(batch, run, run.ended, ending)
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import protocol
 from gateway.batches.item_run import Ended, ItemRun
-from gateway.resume import Resumption
+from gateway.resume import StreamOrder
 from protocol.resume import resumed_event
 
 WORDS = ["one", " two", " three", " four", " five"]
 
 
 def run(resume_s: float = 15.0) -> ItemRun:
-    return ItemRun(0, 1, "lmq:req-batch:tiny", "1-0", "reply", "batch.0.1", resume=Resumption(resume_s))
+    return ItemRun(0, 1, "lmq:req-batch:tiny", "1-0", "reply", "batch.0.1", order=StreamOrder(resume_s))
 
 
 def events() -> list[dict]:
@@ -36,18 +36,18 @@ def test_a_hole_is_asked_for_and_filled_in_order_by_the_workers_resend():
     # Lost: seq 2 and 3. The worker went on (seq 4, 5), then sent again what followed seq 1, then `resumed`.
     stream = sent[:2] + sent[4:6] + sent[2:6] + [resumed_event("batch.0.1", 5, 5)] + sent[6:]
     assert feed(item, stream[:4]) is None
-    assert item.due_ask() and (item.last_seq, item.tokens) == (1, 1)  # ask for what follows seq 1
-    assert not item.due_ask()  # asked: again only after RETRY_S
+    assert item.order.due_ask() and (item.order.last_seq, item.tokens) == (1, 1)  # ask for what follows seq 1
+    assert not item.order.due_ask()  # asked: again only after RETRY_S
     ended = feed(item, stream[4:])
-    assert ended is not None and ended.how == "done" and not item.resume.active
+    assert ended is not None and ended.how == "done" and not item.resuming
     assert item.answer["text"] == "".join(WORDS)
 
 
 def test_events_read_again_after_a_reconnect_are_dropped_by_seq():
     item, sent = run(), events()
     assert feed(item, sent[:4]) is None
-    item.lost_touch()
-    item.resume_now()  # connected again: the stream read from its start
+    item.order.lost_touch()
+    item.reconnected()  # connected again: the stream read from its start
     ended = feed(item, sent[:4] + sent[4:])
     assert ended is not None and ended.how == "done" and item.answer["text"] == "".join(WORDS)
 
@@ -58,9 +58,9 @@ def test_a_hole_no_worker_fills_within_the_bound_is_lost_and_a_quiet_resume_is_n
     assert holed.resume_expired() == Ended("lost")
     quiet = run(resume_s=0.0)
     feed(quiet, sent[:3])
-    quiet.lost_touch()
-    quiet.resume_now()
-    assert quiet.resume_expired() is None and not quiet.resume.active  # nothing lost that it knows of: reads on
+    quiet.order.lost_touch()
+    quiet.reconnected()
+    assert quiet.resume_expired() is None and not quiet.resuming  # nothing lost that it knows of: reads on
     assert feed(quiet, sent[3:]).how == "done" and quiet.answer["text"] == "".join(WORDS)
 
 
