@@ -29,7 +29,7 @@ MAX_TOKENS = 24
 LOST_TAIL = 3  # entries each reply stream loses
 DOWN_S = 1.0  # the outage: past the client's own retries (0.35 s), well within the resume bound
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # two runs on slowed steps each: seconds
 
 
 def lines() -> list[dict]:

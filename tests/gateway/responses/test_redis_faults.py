@@ -21,7 +21,7 @@ from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gatew
 LOST_TAIL = 3
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # two runs on slowed steps each: seconds
 
 
 def sdk(url: str) -> openai.AsyncOpenAI:
