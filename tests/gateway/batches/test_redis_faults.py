@@ -8,6 +8,7 @@ end once, by its first run, with the exact text of an undisturbed run (float32 g
 
 - Redis SIGKILLed while every item streams and started again: the runner keeps its in-flight items
   through the outage and goes on from what it consumed;
+- the same through a Sentinel failover (the primary SIGKILLed, the replica promoted);
 - a runner that had not read the lost entries (a gateway that takes the batch over) sees the holes
   and gets what is missing from the worker that still holds it (`lmq:resume`, docs/protocol.md).
 """
@@ -23,6 +24,7 @@ import protocol
 from protocol.keys import batch_reply_stream
 from tests.support.batch_files import chat_line, create_batch, file_lines, openai_batch_end, openai_client, poll, slow
 from tests.support.gateway_harness import real_worker, running_gateway
+from tests.support.sentinel_stack import SentinelSet
 
 ITEMS = 4
 MAX_TOKENS = 24
@@ -120,4 +122,27 @@ async def test_a_gateway_that_takes_over_reply_streams_with_holes_gets_them_fill
                 answers = await _answers(openai_client(url), batch.id)
     finally:
         await redis.aclose()
+    _assert_once_and_exact(answers, reference)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_sentinel_failover_that_lost_reply_entries_resumes_every_item_once_with_its_exact_text(
+    kind, tmp_path, tiny
+):
+    sentinels = await asyncio.to_thread(SentinelSet(tmp_path / "sentinels", kind).start)
+    try:
+        async with real_worker(sentinels.url, slow(tiny, 0.05), max_seqs=ITEMS), running_gateway(sentinels.url) as url:
+            client, redis = openai_client(url), aioredis.Redis(port=sentinels.replica.port)
+            try:
+                reference = await _answers(client, (await create_batch(client, lines())).id)
+                batch = await create_batch(client, lines())
+                keys, tails = await _mid_answer(redis, batch.id)  # read on the replica, as replicated
+                await asyncio.to_thread(sentinels.kill_primary)
+                await sentinels.wait_failover()
+                await _lose_tails(redis, keys, tails)
+                answers = await _answers(client, batch.id)
+            finally:
+                await redis.aclose()
+    finally:
+        sentinels.close()
     _assert_once_and_exact(answers, reference)
