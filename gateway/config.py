@@ -33,7 +33,7 @@ class GatewayConfig:
     resume_timeout: float = field(
         default=15.0,
         metadata={
-            "help": "seconds an open request waits, after the reply subscription broke (a Redis restart, a failover), for its worker to send again what was lost; then it ends with an error"
+            "help": "seconds an open request, batch item or background response waits, after its connection to Redis broke (a restart, a failover), for its worker to send again what was lost; then it ends with an error"
         },
     )
     max_body_bytes: int = field(default=4 << 20, metadata={"help": "largest request body accepted"})

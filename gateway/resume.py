@@ -9,11 +9,16 @@ taken only in order: one already relayed (its `seq` at or below the last relayed
 so is one that would leave a hole (a delta past the relayed tokens, a `done` that counts more),
 since the worker sends it again after the ones before it. No answer within the bound: the client
 gets the `unavailable` error it got before resuming existed.
+
+A reader of a durable reply stream (a batch item's run: gateway/batches/item_run.py; a background
+response: gateway/responses/background.py) resumes by the same rules (`StreamOrder`, `ask_for`):
+after its connection broke, and when its stream shows a hole (entries lost with Redis's data).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,11 +27,14 @@ from redis.exceptions import RedisError
 import protocol
 from protocol.resume import RESUME_CHANNEL, resume_message
 
+from .token_order import token_gap
+
 log = logging.getLogger(__name__)
 
 INTERRUPTED = "lmq.interrupted"  # router-made event types: never on the wire (workers send no dotted type)
 RESUBSCRIBED = "lmq.resubscribed"
 RETRY_S = 1.0
+TAKE, DROP, LOST = "take", "drop", "lost"  # StreamOrder.admit's verdicts
 GAVE_UP = "the connection to the request queue broke while the request ran; part of its answer may be lost: retry"
 
 
@@ -80,7 +88,72 @@ class Resumption:
 
 async def ask(redis: aioredis.Redis, request: protocol.Request, seq: int, offset: int, token: str) -> None:
     """Ask the request's worker for every event after `seq` (a failed ask is retried by the caller's loop)."""
+    await ask_for(redis, request.id, seq, offset, token)
+
+
+async def ask_for(redis: aioredis.Redis, request_id: str, seq: int, offset: int, token: str | None = None) -> None:
+    """`ask` by the request's id; `token` None for a request that names no cancel digest (a batch item's)."""
     try:
-        await redis.publish(RESUME_CHANNEL, resume_message(request.id, seq, offset, token))
+        await redis.publish(RESUME_CHANNEL, resume_message(request_id, seq, offset, token))
     except RedisError as exc:
-        log.info("request_id=%s: could not ask for a resume yet (%s)", request.id, exc)
+        log.info("request_id=%s: could not ask for a resume yet (%s)", request_id, exc)
+
+
+class StreamOrder:
+    """Which events of a durable reply stream its reader takes, by the resume rules: an event at or
+    below the last `seq` taken is one it has (read again, or sent again) and is dropped; a hole (a
+    delta or a `done` past the tokens taken) starts a resume and is dropped, and while resuming only
+    events in order are taken, until the worker's `resumed`. The reader asks when `due_ask` says, and
+    a hole no `resumed` filled within the bound (`expired`), or an `unavailable` error while resuming
+    (the worker no longer keeps the events), is a loss."""
+
+    def __init__(self, timeout: float):
+        self.resume = Resumption(timeout)
+        self.last_seq = -1  # of the last event taken: a resume asks for what came after it
+        self.holed = False  # a hole was seen that no `resumed` has filled yet
+
+    def admit(self, event: dict[str, Any], tokens: int) -> str:
+        """TAKE, DROP or LOST for the next event, `tokens` the completion tokens taken so far."""
+        kind = event.get("type")
+        if kind == "resumed":
+            self.resume.answered()
+            self.holed = False
+            return DROP
+        if int(event.get("seq", 0)) <= self.last_seq:
+            return DROP
+        if self.resume.active and not Resumption.in_order(event, self.last_seq, tokens):
+            return DROP  # the worker sends it again after the ones before it
+        if kind == "error" and self.resume.active and event.get("code") == "unavailable":
+            return LOST
+        if kind in ("delta", "done") and token_gap(event, tokens) > 0:
+            self.resume_now()  # entries lost with Redis's data: ask the worker for them
+            self.holed = True
+            return DROP
+        if kind != "delta" or int(event.get("offset", 0)) >= tokens:  # not a re-run's repeat
+            self.last_seq = int(event.get("seq", self.last_seq))
+        return TAKE
+
+    def lost_touch(self) -> None:
+        """The connection broke: events may be lost; wait, up to the bound, to be connected again."""
+        self.resume.interrupted(time.monotonic())
+
+    def resume_now(self) -> None:
+        """Connected again, or a hole seen: resume (within the bound a break started), asking at once."""
+        self.resume.resubscribed(time.monotonic())
+
+    def due_ask(self) -> bool:
+        """Whether to ask the worker (again) now; if so, the ask counts as made."""
+        now = time.monotonic()
+        if self.resume.ask_in(now) != 0.0:
+            return False
+        self.resume.asked(now)
+        return True
+
+    def expired(self) -> bool:
+        """Past the bound without a `resumed`: True if a hole was seen (a loss). Else nothing was lost
+        that the reader knows of (no worker held the request, or one that died: claims go on): it
+        stops resuming and reads on."""
+        if not self.resume.active or time.monotonic() < (self.resume.until or 0.0):
+            return False
+        self.resume.answered()
+        return self.holed

@@ -15,7 +15,8 @@ Driving a batch, tick by tick:
    the in-flight record are one script;
 2. read the runs' reply streams (one blocking XREAD for all) and fold each run's events
    (item_run.py); a run that ended writes the item's outcome once (HSETNX: a result per item,
-   whatever ran twice);
+   whatever ran twice); a run whose stream shows a hole asks its worker for what is missing
+   (`lmq:resume`, as a live relay does: gateway/resume.py) and is lost only if none answers;
 3. a run whose entry is gone from its stream and from the group's pending list without an end
    on its reply stream was lost (a Redis that lost data, an entry withdrawn before a worker read
    it): the item runs again, up to `MAX_ATTEMPTS`; so every item ends with exactly one outcome
@@ -28,6 +29,17 @@ Driving a batch, tick by tick:
 
 A worker's death needs nothing here: another worker claims the entry and continues on the same
 reply stream (docs/protocol.md).
+
+Redis unreachable (a restart, a Sentinel failover): the driver keeps its runs and what it folded
+of each, and waits for Redis up to the gateway's `resume_timeout`; past it, it hands the batch
+back as on any Redis error. Once Redis answers, its runs are those Redis holds in flight (a run it
+already folds keeps what it took, re-read from its stream's start where the server lacks the entry
+it read last: the events it has are dropped by `seq`), it takes the lease again if that expired
+meanwhile and nobody else took it, and every run asks its worker for the events after the last one
+it took: the worker, which never lost the request, re-establishes what the server lacks (the entry,
+its pending state, progress and holder) and appends them, then `resumed`. So an item whose events
+the server lost ends once, by its first run, with its exact text; only one whose worker died too
+(or that it no longer keeps) runs again, and the claims go on for a run whose worker died alone.
 
 Rate limits (gateway/rate_limits.py): a batch's items count against the limits of the key that owns
 the batch (its `owner`, the key's digest). Items wait for the key's budget rather than being
@@ -49,10 +61,12 @@ import time
 from typing import Any
 
 import protocol
+from protocol.redis_client import UNREACHABLE
 
 from ..context import Gateway
 from ..errors import ApiError
-from ..leased_drivers import Lease, LeasedDrivers
+from ..leased_drivers import LEASE_MS, Lease, LeasedDrivers
+from ..resume import StreamOrder, ask_for
 from . import items, outputs
 from .item_run import Ended, ItemRun
 from .store import Batch, BatchStore, Run
@@ -60,6 +74,7 @@ from .store import Batch, BatchStore, Run
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 500
+RECONNECT_S = 0.5  # while Redis is unreachable, how often the driver tries it again
 LOST_CHECK_S = 5.0  # a run silent this long is checked for a vanished entry
 MAX_ATTEMPTS = 3
 DEFAULT_RESERVE = 16  # tokens an item without max_tokens is assumed to take, when a token limit sizes the window
@@ -88,20 +103,84 @@ class Driver:
         self.reserved: dict[int, int] = {}  # item index -> the tokens it may take (its max_tokens), while in flight
         self._tokens_left: int | None = None  # the owner's tokens left in its window, as last admitted
         self._checked_at = time.monotonic()
+        self._reconnected = False  # Redis came back after an outage: the lease may need taking again
 
     async def run(self) -> None:
-        for index, run in (await self.store.runs(self.batch_id)).items():
-            self.runs[index] = self._item_run(index, run)
-        while await self.lease.renew():
-            batch = await self.store.batch(self.batch_id)
-            if batch is None:
-                return  # deleted
-            if batch.ended:
-                await self.store.ended(self.batch_id)
-                return
-            if await self._tick(batch):
-                return
-        log.warning("batch %s: lease lost; another gateway drives it now", self.batch_id)
+        await self._load_runs()
+        while True:
+            try:
+                if not await self._held():
+                    log.warning("batch %s: lease lost; another gateway drives it now", self.batch_id)
+                    return
+                if await self._round():
+                    return
+                self._reconnected = False
+            except UNREACHABLE as exc:
+                if not await self._ride_out(exc):
+                    raise
+
+    async def _round(self) -> bool:
+        """One round on the batch as Redis holds it; True once the driver is done with it."""
+        batch = await self.store.batch(self.batch_id)
+        if batch is None:
+            return True  # deleted
+        if batch.ended:
+            await self.store.ended(self.batch_id)
+            return True
+        return await self._tick(batch)
+
+    async def _held(self) -> bool:
+        """The lease is still this gateway's. Right after an outage it may have expired, or been lost
+        with the server's last writes: taken again if nobody else took it, the runs held go on."""
+        if await self.lease.renew():
+            return True
+        return self._reconnected and await self.store.take_lease(self.batch_id, self.me, LEASE_MS)
+
+    # ------------------------------------------------------------ Redis unreachable
+
+    async def _ride_out(self, exc: Exception) -> bool:
+        """Keep the runs through an outage, up to the resume bound; True once Redis answers again
+        (the runs reloaded, each asking its worker for what it missed), False past the bound."""
+        bound = self.gateway.config.resume_timeout
+        log.warning(
+            "batch %s: redis unreachable (%s); keeping its %d runs for up to %g s",
+            self.batch_id,
+            exc,
+            len(self.runs),
+            bound,
+        )
+        for run in self.runs.values():
+            run.order.lost_touch()
+        until = time.monotonic() + bound
+        while time.monotonic() < until:
+            await asyncio.sleep(RECONNECT_S)
+            try:
+                await self._load_runs()
+            except UNREACHABLE:
+                continue
+            for run in self.runs.values():
+                run.reconnected()
+            self._reconnected = True
+            log.warning(
+                "batch %s: redis answers again; %d runs ask their workers to resume", self.batch_id, len(self.runs)
+            )
+            return True
+        return False
+
+    async def _load_runs(self) -> None:
+        """The runs in flight as Redis holds them. A run this driver folds already keeps what it took;
+        where the server lacks the entry it read last (lost writes), its stream is read again from the
+        start, and the events it has are dropped by their `seq`."""
+        runs = {}
+        for index, stored in (await self.store.runs(self.batch_id)).items():
+            run = self.runs.get(index)
+            if run is None or (run.attempt, run.entry_id) != (stored.attempt, stored.entry_id):
+                run = self._item_run(index, stored)
+            elif run.cursor != "0-0" and not await self.store.redis.xrange(run.reply_key, run.cursor, run.cursor):
+                run.cursor = "0-0"
+            runs[index] = run
+        self.runs = runs
+        self.reserved = {index: tokens for index, tokens in self.reserved.items() if index in runs}
 
     async def _tick(self, batch: Batch) -> bool:
         """One round; True once the batch has ended."""
@@ -213,11 +292,16 @@ class Driver:
             run.entry_id,
             self.store.reply_stream(self.batch_id, index, run.attempt),
             f"{self.batch_id}.{index}.{run.attempt}",
+            order=StreamOrder(self.gateway.config.resume_timeout),
         )
 
     # ------------------------------------------------------------ reading the runs
 
     async def _read_events(self, batch: Batch, ending: str | None) -> None:
+        for run in list(self.runs.values()):
+            if run.ended is not None:  # folded before the connection broke, its outcome not written
+                await self._settle(batch, run, run.ended, ending)
+        await self._resume_runs(batch, ending)
         if not self.runs:
             await asyncio.sleep(READ_BLOCK_MS / 1000)
             return
@@ -229,6 +313,17 @@ class Driver:
             run = by_key[key.decode() if isinstance(key, bytes) else key]
             await self._fold(batch, run, entries, ending)
 
+    async def _resume_runs(self, batch: Batch, ending: str | None) -> None:
+        """Ask the workers of resuming runs (again) for what they missed; a run past the bound with a
+        hole is lost."""
+        for run in list(self.runs.values()):
+            if run.order.due_ask():
+                await ask_for(self.store.redis, run.request_id, run.order.last_seq, run.tokens)
+            ended = run.resume_expired()
+            if ended is not None:
+                run.ended = ended
+                await self._settle(batch, run, ended, ending)
+
     async def _fold(self, batch: Batch, run: ItemRun, entries: list, ending: str | None) -> None:
         for entry_id, fields in entries:
             run.cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
@@ -236,9 +331,9 @@ class Driver:
                 event = protocol.decode_event(fields.get(b"msg", b""))
             except protocol.ProtocolError:
                 continue
-            ended = run.feed(event)
-            if ended is not None:
-                await self._settle(batch, run, ended, ending)
+            run.ended = run.feed(event)
+            if run.ended is not None:  # kept on the run until its outcome is written
+                await self._settle(batch, run, run.ended, ending)
                 return
 
     async def _check_lost(self, batch: Batch, ending: str | None) -> None:
@@ -247,7 +342,9 @@ class Driver:
         if now - self._checked_at < LOST_CHECK_S:
             return
         self._checked_at = now
-        quiet = [run for run in self.runs.values() if now - run.heard_at >= LOST_CHECK_S]
+        quiet = [
+            run for run in self.runs.values() if now - run.heard_at >= LOST_CHECK_S and not run.resuming
+        ]  # a resuming run's worker may re-establish its entry: the resume decides
         gone = await self.store.gone([Run(run.attempt, run.stream, run.entry_id) for run in quiet])
         for run, vanished in zip(quiet, gone):
             if not vanished:
@@ -257,8 +354,9 @@ class Driver:
                 run.reply_key, f"({run.cursor}" if run.cursor != "0-0" else "-", "+"
             )
             await self._fold(batch, run, entries, ending)
-            if run.index in self.runs and self.runs[run.index] is run:
-                await self._settle(batch, run, Ended("lost"), ending)
+            if self.runs.get(run.index) is run and not run.resuming:
+                run.ended = Ended("lost")
+                await self._settle(batch, run, run.ended, ending)
 
     # ------------------------------------------------------------ ends
 

@@ -10,7 +10,12 @@ changes (`in_progress`, then the end), which GET polls.
 Nothing lives only in a driver's memory. A gateway that dies stops renewing its leases; another
 takes the response over when its lease expires, reads the reply stream from its start, and
 rebuilds the same events (their ids are made from the response's, builder.py), skipping those
-already written. A restarted gateway finds its own responses the same way. Enqueueing is one
+already written. A restarted gateway finds its own responses the same way. A reply stream that lost
+entries with Redis's data (a failover's last writes) shows a hole; the driver then resumes as a live
+relay does (gateway/resume.py's `StreamOrder`): it asks the worker on `lmq:resume` (with the
+response's cancel token) for the events after its last one, takes events only in order until the
+worker's `resumed`, and fails the response (503, tokens lost) only when none comes within
+`resume_timeout` or the worker no longer keeps them. Enqueueing is one
 script (once, whoever asks), so a response dropped between its record and its XADD is enqueued by
 its next driver.
 
@@ -40,6 +45,7 @@ from ..errors import ApiError
 from ..generation import Done, Usage
 from ..leased_drivers import Lease, LeasedDrivers
 from ..reasoning import Thinking
+from ..resume import DROP, LOST, StreamOrder, ask_for
 from ..token_order import token_gap
 from ..tool_calls import ToolPlan
 from .builder import ResponseBuilder
@@ -50,6 +56,7 @@ log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 500
 LATE_S = 30.0  # past its deadline by this much, a response no worker answers ends failed
+LOST_TOKENS = ApiError(503, "tokens of the answer were lost on the way from the worker")
 
 
 def background_runner(gateway: Gateway, store: ResponseStore) -> LeasedDrivers:
@@ -77,6 +84,7 @@ class Driver:
         self.thinking = Thinking()  # splits a thinking model's deltas, as generation.py does for a live request
         self.owner = ""  # the digest of the key it belongs to
         self.started = False  # a worker started it: its place in its key's queue share is free
+        self.order = StreamOrder(gateway.config.resume_timeout)  # which reply stream events to take
 
     async def run(self) -> None:
         record = await self.store.record(self.id)
@@ -110,6 +118,10 @@ class Driver:
         if time.time() > float(record["deadline"]) + LATE_S:
             error = ApiError(504, "the response did not finish before its deadline")
             return await self._ended(record, builder, builder.fail(error))
+        if self.order.due_ask():
+            await ask_for(self.store.redis, self.id, self.order.last_seq, self.tokens, record.get("cancel_token"))
+        if self.order.expired():
+            return await self._ended(record, builder, builder.fail(LOST_TOKENS))
         reply = await self.store.redis.xread(
             {self.store.reply_stream(self.id): self.cursor}, count=256, block=READ_BLOCK_MS
         )
@@ -120,12 +132,17 @@ class Driver:
                     event = protocol.decode_event(fields.get(b"msg", b""))
                 except protocol.ProtocolError:
                     continue
+                verdict = self.order.admit(event, self.tokens)
+                if verdict == LOST:
+                    return await self._ended(record, builder, builder.fail(LOST_TOKENS))
+                if verdict == DROP:
+                    continue
                 events, ended = self._fold(builder, event)
                 if ended:
                     return await self._ended(record, builder, events)
                 await self._emit(events)
                 if event.get("type") == "started":
-                    await self.store.save(self.id, {"response": builder.response()})
+                    await self.store.update(self.id, {"response": builder.response()})
                     self.started = True
                     await self._free_place()
         return False
@@ -141,7 +158,7 @@ class Driver:
             if gap < 0:
                 return [], False  # a re-run after a worker death repeating tokens already taken
             if gap > 0:
-                return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
+                return builder.fail(LOST_TOKENS), True
             self.tokens += len(token_ids)
             logprobs = event.get("logprobs") if isinstance(event.get("logprobs"), list) else None
             piece = self.thinking.feed(str(event.get("text", "")), len(token_ids))
@@ -152,7 +169,7 @@ class Driver:
                 return [], True
             usage = event.get("usage") or {}
             if token_gap(event, self.tokens) > 0:
-                return builder.fail(ApiError(503, "tokens of the answer were lost on the way from the worker")), True
+                return builder.fail(LOST_TOKENS), True
             tail = self.thinking.finish()
             done = Done(
                 finish_reason=str(event.get("finish_reason")),

@@ -20,7 +20,13 @@ each, so two gateways never enqueue one response twice.
 
 Every write that must land whole is one Lua script, never a MULTI: a record with its place in the
 active set, a background response's end (its record, the expiry of its events, its reply stream
-deleted, out of the active set), a deletion. On a cluster a MULTI's EXEC goes where the client's slot
+deleted, out of the active set), a deletion.
+
+A DELETE wins over the driver of a background response: the driver may have checked the record
+just before it, and then writes what the worker's next event changes. Every write of a driver (the
+record's in-progress object: `update`; its stream events: `append`; its end: `end`) is a script
+that checks the record exists and writes only then, so none makes the response again after its
+deletion (an ownerless record nobody can read, an event stream that nothing would expire). On a cluster a MULTI's EXEC goes where the client's slot
 map said at its last refresh, and a failover or a slot move in between fails the transaction; a
 script is one command, which a cluster client retries at the node that now serves the slot.
 
@@ -45,7 +51,6 @@ import secrets
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from protocol.keys import Shard
 from protocol.redis_client import reply_text
@@ -85,6 +90,27 @@ if ARGV[3] == '1' then redis.call('SADD', KEYS[2], ARGV[1]) end
 return 1
 """
 
+UPDATE_LUA = r"""
+-- KEYS = [response]; ARGV = [ttl s, field, value, ...]: 0 (nothing written) if it was deleted
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+APPEND_LUA = r"""
+-- KEYS = [response, events]; ARGV = [entry id, event JSON, ...]: nothing if the response was deleted;
+-- an event already written (an id not above the stream's last) is skipped
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for i = 1, #ARGV, 2 do
+  local added = redis.pcall('XADD', KEYS[2], ARGV[i], 'e', ARGV[i + 1])
+  if type(added) == 'table' and added.err and not string.find(added.err, 'equal or smaller', 1, true) then
+    return redis.error_reply(added.err)
+  end
+end
+return 1
+"""
+
 END_LUA = r"""
 -- KEYS = [response, events, reply stream, active set]; ARGV = [response id, ttl s, field, value, ...]
 -- a background response's last write; 0 (only off the active set) if it was deleted meanwhile
@@ -118,6 +144,8 @@ class ResponseStore:
         self._cancel = redis.register_script(CANCEL_LUA)
         self._leases = LeaseKeys(redis)
         self._save = redis.register_script(SAVE_LUA)
+        self._update = redis.register_script(UPDATE_LUA)
+        self._append = redis.register_script(APPEND_LUA)
         self._end = redis.register_script(END_LUA)
         self._delete = redis.register_script(DELETE_LUA)
 
@@ -152,10 +180,15 @@ class ResponseStore:
         await self.redis.srem(self.active_key, response_id)
 
     async def save(self, response_id: str, fields: dict[str, Any], active: bool = False) -> None:
-        """Write (or add to) a record; it expires `ttl` seconds from now. `active`: a background
+        """Write a new record (the POST's); it expires `ttl` seconds from now. `active`: a background
         response some gateway must drive."""
         keys = [self.key(response_id), self.active_key]
         await self._save(keys=keys, args=[response_id, self.ttl, "1" if active else "", *_pairs(fields)])
+
+    async def update(self, response_id: str, fields: dict[str, Any]) -> bool:
+        """Add to a record that still exists (a driver's write); it expires `ttl` seconds from now.
+        False, and nothing written, if it was deleted."""
+        return bool(await self._update(keys=[self.key(response_id)], args=[self.ttl, *_pairs(fields)]))
 
     async def end(self, response_id: str, fields: dict[str, Any]) -> None:
         """A background response's last write: its final object; it leaves the active set, and every
@@ -181,17 +214,14 @@ class ResponseStore:
     # ------------------------------------------------------------ a background response's events
 
     async def append(self, response_id: str, events: list[dict[str, Any]]) -> None:
-        """Each event as entry 0-<seq + 1>: an event already written (by a gateway that drove the
-        response before) is refused by Redis as an id not above the last, and skipped."""
-        key = self.key(response_id, "events")
+        """Each event as entry 0-<seq + 1>, while the response exists: an event already written (by a
+        gateway that drove the response before) is refused by Redis as an id not above the last, and
+        skipped."""
+        args: list[str] = []
         for event in events:
-            try:
-                await self.redis.xadd(
-                    key, {"e": json.dumps(event, separators=(",", ":"))}, id=f"0-{event['sequence_number'] + 1}"
-                )
-            except ResponseError as exc:
-                if "equal or smaller" not in str(exc):
-                    raise
+            args += [f"0-{event['sequence_number'] + 1}", json.dumps(event, separators=(",", ":"))]
+        if args:
+            await self._append(keys=[self.key(response_id), self.key(response_id, "events")], args=args)
 
     async def written(self, response_id: str) -> int:
         """How many events are written (the next sequence number)."""

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 import protocol
 from gateway.auth import key_digest
 from gateway.openai import REASONING_BUDGETS
+from gateway.responses import background
 from protocol.codec import encode
 from protocol.keys import rate_limit_key
 from tests.support.batch_files import poll
@@ -218,3 +219,31 @@ async def test_background_responses_wait_for_room_in_their_keys_queue_share(redi
             done = [await ended(client, response.id) for response in queued]
     assert [response.output_text for response in done] == ["ok"] * 3 and len(received) == 3
     assert await redis.zcard(SHARE_A) == 0  # each place freed when its worker started
+
+
+async def _driver_blocked_reading(redis: aioredis.Redis) -> bool:
+    """A client blocked in XREAD: the background driver, waiting on its response's reply stream."""
+    clients = await redis.client_list()
+    return any(client.get("cmd") == "xread" and "b" in client.get("flags", "") for client in clients)
+
+
+async def test_a_delete_wins_over_the_background_driver_no_save_makes_the_record_again(redis_url, redis, monkeypatch):
+    """The driver checked the record, then reads the worker's `started` after a DELETE: what it writes
+    for that event (the in-progress object, the stream events) must not make the response again, an
+    ownerless record and an event stream that nothing expires."""
+    monkeypatch.setattr(background, "READ_BLOCK_MS", 60_000)  # the driver waits in its read until the event
+    await announce(redis)
+    async with running_gateway(redis_url) as url:
+        client = sdk(url)
+        response = await client.responses.create(model=MODEL, input="Say hi.", background=True)
+        _, request = await take_request(redis)
+        await poll(lambda: _driver_blocked_reading(redis), what="the driver reading the reply stream")
+        await client.responses.delete(response.id)
+        await redis.xadd(request.reply.key, {"msg": encode(protocol.started_event(request.id, 0, 5))})
+
+        async def driver_gone():
+            return not await redis.exists(f"lmq:response:{response.id}:lease")
+
+        await poll(driver_gone, what="the driver to stop")
+        left = [key for key in ("", ":events") if await redis.exists(f"lmq:response:{response.id}{key}")]
+    assert not left, f"keys of the deleted response made again: {left}"

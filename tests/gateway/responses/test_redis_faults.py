@@ -1,0 +1,68 @@
+"""A background response whose reply stream lost entries (a failover's lost writes) ends with its exact text.
+
+In process: a real worker on the tiny model (slowed steps, so the answer is mid-way), and gateways
+that drive the response. The writes a promoted replica may lack are played by hand: the last entries
+the worker's reply stream had. The gateway that drove it stops; the one that takes it over reads
+the stream from its start, sees the hole, and must get what is missing from the worker that still
+holds the request (`lmq:resume`, docs/protocol.md), not fail the response: it ends as an undisturbed
+run of the same request does (float32 greedy).
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+import protocol
+from tests.support.batch_files import poll, slow
+from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
+
+LOST_TAIL = 3
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # two runs on slowed steps each: seconds
+
+
+def sdk(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def request() -> dict:
+    return {"model": REAL_MODEL, "input": "Item 1: the quick brown fox", "max_output_tokens": 24, "temperature": 0}
+
+
+async def _ended(client: openai.AsyncOpenAI, response_id: str):
+    async def found():
+        response = await client.responses.retrieve(response_id)
+        return response if response.status in TERMINAL else None
+
+    return await poll(found, what=f"background response {response_id} to end")
+
+
+async def _deltas(redis, key: str) -> int:
+    return sum(1 for _, fields in await redis.xrange(key) if protocol.decode_event(fields[b"msg"])["type"] == "delta")
+
+
+async def test_a_gateway_that_takes_a_background_response_over_gets_the_holes_of_its_stream_filled(redis_url, tiny):
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        async with real_worker(redis_url, slow(tiny, 0.05)):
+            async with running_gateway(redis_url, gateway_id="gw-a") as url:
+                client = sdk(url)
+                reference = await _ended(client, (await client.responses.create(**request(), background=True)).id)
+                response = await client.responses.create(**request(), background=True)
+                key = f"lmq:reply:response:{response.id}"
+                await poll(lambda: _at_least(redis, key, 4), what="the answer mid-way", interval=0.02)
+                tail = [entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]]
+            await redis.xdel(key, *tail)  # the stopped gateway had read them; its successor has not
+            async with running_gateway(redis_url, gateway_id="gw-b") as url:
+                done = await _ended(sdk(url), response.id)
+    finally:
+        await redis.aclose()
+    assert (done.status, done.error) == (reference.status, None), done.error
+    assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
+
+
+async def _at_least(redis, key: str, deltas: int) -> bool:
+    return await _deltas(redis, key) >= deltas
