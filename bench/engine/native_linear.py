@@ -9,13 +9,20 @@ when the matrix does not fit the caches); the ratio is against Q4_0 (the int4 ke
 
     python -m bench.engine.native_linear                      # 2048x2048 and 8192x2048, rows 1 and 16, 1 thread
     python -m bench.engine.native_linear --shapes 8192x2048 --rows 1 --threads 2
+    python -m bench.engine.native_linear --types Q4_0,Q4_1 --baseline main   # this tree's kernels beside main's
+
+With `--baseline REV`, each type also runs on REV's library (bench/engine/native_baseline.py), alternated
+with this tree's inside every round; the ratio column is then REV's time over this tree's on the same type
+and shape (> 1: this tree is faster).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import pathlib
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -23,6 +30,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
+from bench.engine.native_baseline import baseline_library
 from worker.model.gguf_blocks import FORMATS, gguf_blocks
 from worker.model.native_pack import kernel_format, matrix, pack_parts
 from worker.model.weights import QuantBlocks
@@ -42,48 +50,61 @@ def random_blocks(qtype: QType, n: int, k: int, seed: int = 0) -> QuantBlocks:
 
 
 class Linear:
-    def __init__(self, library: ctypes.CDLL, blocks: QuantBlocks) -> None:
-        self.library, self.keep = library, []
+    def __init__(self, blocks: QuantBlocks) -> None:
+        self.keep: list = []
         packed = pack_parts([blocks])
         self.struct = matrix(packed, self.keep)
         self.n, self.k = blocks.q.shape
         self.bytes = sum(part.nbytes() for part in packed)
         self.format = kernel_format(blocks)
 
-    def run(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
-        status = self.library.lmq_linear(ctypes.byref(self.struct), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
-                                         ctypes.c_void_p(out.data_ptr()), threads)  # fmt: skip
+    def run(self, library: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+        status = library.lmq_linear(ctypes.byref(self.struct), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
+                                    ctypes.c_void_p(out.data_ptr()), threads)  # fmt: skip
         assert status == 0
 
 
-def measure(shapes: list[tuple[int, int]], rows_list: list[int], threads: int, rounds: int, calls: int) -> None:
-    library = build.load()
-    if library is None:
-        raise SystemExit(f"no native library: {build.missing_requirements()}")
-    library.lmq_linear.restype = ctypes.c_int
+def measure(
+    shapes: list[tuple[int, int]],
+    rows_list: list[int],
+    threads: int,
+    rounds: int,
+    calls: int,
+    types: list[QType],
+    libraries: dict[str, ctypes.CDLL],
+) -> None:
     # One thread: its own CPU time, blind to other processes taking the core (a loaded machine); more: wall time.
     clock = time.thread_time if threads == 1 else time.perf_counter
     print(f"threads {threads} ({clock.__name__}), median of {rounds} rounds of {calls} calls each, types alternated")
-    print(f"{'type':5} {'kernel':16} {'shape':>10} {'rows':>4} {'bits/w':>6} {'µs':>8} {'GB/s':>6} {'× Q4_0':>6}")
+    print(
+        f"{'type':5} {'library':10} {'kernel':16} {'shape':>10} {'rows':>4} {'bits/w':>6} {'µs':>8} {'GB/s':>6} {'ratio':>6}"
+    )
+    names = list(libraries)
     for n, k in shapes:
-        linears = {qtype: Linear(library, random_blocks(qtype, n, k)) for qtype in FORMATS}
+        linears = {qtype: Linear(random_blocks(qtype, n, k)) for qtype in types}
         for rows in rows_list:
-            x, out = torch.randn(rows, k), torch.empty(rows, n)
-            seconds: dict[QType, list[float]] = {qtype: [] for qtype in linears}
+            x, outs = torch.randn(rows, k), {name: torch.empty(rows, n) for name in names}
+            seconds = {(qtype, name): [] for qtype in linears for name in names}
             for linear in linears.values():
-                linear.run(x, out, threads)  # warm-up
+                for name, library in libraries.items():
+                    linear.run(library, x, outs[name], threads)  # warm-up
             for _ in range(rounds):
                 for qtype, linear in linears.items():
-                    start = clock()
-                    for _ in range(calls):
-                        linear.run(x, out, threads)
-                    seconds[qtype].append((clock() - start) / calls)
-            base = statistics.median(seconds[QType.Q4_0])
+                    for name, library in libraries.items():
+                        start = clock()
+                        for _ in range(calls):
+                            linear.run(library, x, outs[name], threads)
+                        seconds[(qtype, name)].append((clock() - start) / calls)
             for qtype, linear in linears.items():
-                median = statistics.median(seconds[qtype])
-                print(f"{qtype.name:5} {linear.format.split(' as ')[1]:16} {f'{n}x{k}':>10} {rows:>4} "
-                      f"{8 * linear.bytes / (n * k):6.2f} {median * 1e6:8.1f} {linear.bytes / median / 1e9:6.1f} "
-                      f"{base / median:6.2f}")  # fmt: skip
+                for name in names:
+                    median = statistics.median(seconds[(qtype, name)])
+                    # Against Q4_0 on this tree alone; against the same type on the baseline with one.
+                    base = statistics.median(
+                        seconds[(qtype, names[-1])] if len(names) > 1 else seconds[(types[0], name)]
+                    )
+                    print(f"{qtype.name:5} {name[:10]:10} {linear.format.split(' as ')[1]:16} {f'{n}x{k}':>10} {rows:>4} "
+                          f"{8 * linear.bytes / (n * k):6.2f} {median * 1e6:8.1f} {linear.bytes / median / 1e9:6.1f} "
+                          f"{base / median:6.2f}")  # fmt: skip
 
 
 def main() -> None:
@@ -95,9 +116,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument(
+        "--types", default=",".join(qtype.name for qtype in FORMATS), help="GGUF types, comma-separated"
+    )
+    parser.add_argument("--baseline", help="a git revision whose kernels to run beside this tree's")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
-    measure(shapes, [int(r) for r in args.rows.split(",")], args.threads, args.rounds, args.calls)
+    library = build.load()
+    if library is None:
+        raise SystemExit(f"no native library: {build.missing_requirements()}")
+    library.lmq_linear.restype = ctypes.c_int
+    libraries = {"this tree": library}
+    types = [QType[name] for name in args.types.split(",")]
+    with tempfile.TemporaryDirectory() as directory:
+        if args.baseline:
+            libraries[args.baseline] = baseline_library(args.baseline, pathlib.Path(directory))
+        measure(shapes, [int(r) for r in args.rows.split(",")], args.threads, args.rounds, args.calls, types, libraries)
 
 
 if __name__ == "__main__":

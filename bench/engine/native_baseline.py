@@ -1,0 +1,28 @@
+"""Another revision's native step, compiled beside this tree's, so that a benchmark can run both in one process, alternated."""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import subprocess
+
+from worker.native import build
+from worker.runtime.native_step import ModelStruct, StepStruct
+
+
+def baseline_library(revision: str, directory: pathlib.Path) -> ctypes.CDLL:
+    """The library of `revision`'s worker/native sources (git show), compiled into `directory` with build.FLAGS."""
+    root = pathlib.Path(build.__file__).resolve().parents[2]
+    for source in (build.SOURCE, *build.HEADERS):
+        relative = source.resolve().relative_to(root).as_posix()
+        text = subprocess.run(
+            ["git", "show", f"{revision}:{relative}"], cwd=root, check=True, capture_output=True
+        ).stdout
+        (directory / source.name).write_bytes(text)
+    library = directory / "baseline.so"
+    subprocess.run([build.compiler(), *build.FLAGS, str(directory / build.SOURCE.name), "-o", str(library)], check=True)
+    loaded = ctypes.CDLL(str(library))
+    loaded.lmq_step.argtypes = [ctypes.POINTER(ModelStruct), ctypes.POINTER(StepStruct), ctypes.c_int]
+    loaded.lmq_step.restype = ctypes.c_int
+    loaded.lmq_linear.restype = ctypes.c_int
+    return loaded
