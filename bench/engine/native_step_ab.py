@@ -82,8 +82,8 @@ def run(backend: CpuNativeBackend, libraries: dict[str, ctypes.CDLL], rows_list:
     logits = {}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for rows in rows_list:
-            for name, library in libraries.items():
-                native.library = library
+            for name in list(libraries) if round_ % 2 == 0 else list(libraries)[::-1]:  # each first in turn
+                native.library = libraries[name]
                 native.phase_seconds = phases[(name, rows)] if round_ else None
                 for _ in range(args.steps):
                     start = time.perf_counter()
