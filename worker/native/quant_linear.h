@@ -59,7 +59,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockN = 16;
-constexpr int kMaxRows = 8;  // x rows per pass over a block's weights: 16 weight vectors + 8 accumulators in registers
+constexpr int kMaxRows = 8;  // a tile of at most this many x rows keeps its accumulators in registers, beside 16 weight vectors
 constexpr int kInt4GroupBytes = kGroup * kBlockN / 2;  // a group of a block: 4 vectors
 constexpr int64_t kPrefetchBytes = 4096;
 
@@ -174,10 +174,26 @@ constexpr int64_t kSuperGroups = 256 / kGroup;  // groups of x per K-quant super
 
 // ---- the linears ----
 
-// Output columns [16 * block, +16) for x rows [r0, r0 + MR); accumulate: out += y, else out = y.
+// x rows [r0, r0 + rows) against one block: MR of them (rows == MR) with their accumulators in registers,
+// or, MR == kWide, 9 to 16 rows with theirs in L1 (a runtime loop over the rows: 16 registers of
+// accumulators beside 16 of weights would spill), so that a group is unpacked once for all 16 rows.
+constexpr int kWide = 0;
+constexpr int kWideRows = 16;
+
+template <int MR, typename F>
+inline void each_row(int64_t rows, __m512* acc, F&& f) {
+  if constexpr (MR == kWide) {
+#pragma GCC unroll 1
+    for (int64_t r = 0; r < rows; ++r) f(r, acc[r]);
+  } else {
+    for (int r = 0; r < MR; ++r) f(r, acc[r]);
+  }
+}
+
+// Output columns [16 * block, +16) for x rows [r0, r0 + rows); accumulate: out += y, else out = y.
 // Scale: the type of a and m (uint16_t: fp16); Group: the weights' group (32, or 16 with no mins).
 template <int Bits, typename Scale, int Group, bool Derived, int MR>
-void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, int64_t r0, float* out, int64_t out_stride, bool accumulate) {
+void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, int64_t r0, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
   constexpr bool kMins = Bits < 6;
   constexpr int kSub = kGroup / Group, kBytes = kGroupBytes<Bits>;
   static_assert(kSub == 1 || !kMins, "groups of 16 only without mins: x's sums are per 32");
@@ -200,8 +216,8 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
     const __m512 product = _mm512_mul_ps(load_scales(super_mins + g / kSuperGroups * kBlockN), v);
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));  // -product
   };
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[MR == kWide ? kWideRows : MR];
+  each_row<MR>(rows, acc, [](int64_t, __m512& a) { a = _mm512_setzero_ps(); });
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = packed + g * kBytes;
     prefetch_group(group, kBytes);
@@ -210,27 +226,27 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
     if constexpr (kSub == 1) {
       const __m512 a = scale(g, g);
       const __m512 m = Derived ? _mm512_mul_ps(a, m_factor) : kMins ? offset(g) : _mm512_setzero_ps();
-      for (int r = 0; r < MR; ++r) {
+      each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) {
         const int64_t at = (r0 + r) * per_row + g;
         const __m512i dot = group_dot(weights, x.q + (r0 + r) * x.stride + g * kGroup);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a, _mm512_set1_ps(x.scale[at])), acc[r]);
-        if constexpr (kMins) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[at]), acc[r]);
-      }
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a, _mm512_set1_ps(x.scale[at])), sum);
+        if constexpr (kMins) sum = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[at]), sum);
+      });
     } else {
       const __m512 a0 = scale(2 * g, g), a1 = scale(2 * g + 1, g);
-      for (int r = 0; r < MR; ++r) {
+      each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) {
         const int16_t* row = x.q + (r0 + r) * x.stride + g * kGroup;
         const __m512 d = _mm512_set1_ps(x.scale[(r0 + r) * per_row + g]);
         const __m512i dot0 = group_dot<0, kGroup / 4>(weights, row), dot1 = group_dot<kGroup / 4, kGroup / 2>(weights, row);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(a0, d), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(a1, d), acc[r]);
-      }
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(a0, d), sum);
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(a1, d), sum);
+      });
     }
   }
-  for (int r = 0; r < MR; ++r) {
+  each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) {
     float* o = out + (r0 + r) * out_stride + block * kBlockN;
-    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), acc[r]) : acc[r]);
-  }
+    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), sum) : sum);
+  });
 }
 
 // f(std::integral_constant<int, rows>) for 1 <= rows <= Most: a kernel's row count as a template argument.
@@ -252,10 +268,27 @@ void over_blocks(int64_t blocks, int64_t rows, F&& f) {
     for (int64_t r0 = 0; r0 < rows; r0 += Most) with_rows<Most>(std::min<int64_t>(Most, rows - r0), [&](auto tile) { f(b, r0, tile); });
 }
 
+// f(block, r0, tile rows, kernel) over the team's share of `blocks` column blocks, x's rows in tiles of 16:
+// each block's weights come from memory once, and each of its groups is unpacked once a tile. The
+// kernel (a std::integral_constant) is the tile's rows where they fit registers, else kWide.
+template <typename F>
+void over_tiles(int64_t blocks, int64_t rows, F&& f) {
+  int64_t begin, end;
+  share(blocks, begin, end);
+  for (int64_t b = begin; b < end; ++b)
+    for (int64_t r0 = 0; r0 < rows; r0 += kWideRows) {
+      const int64_t tile = std::min<int64_t>(kWideRows, rows - r0);
+      if (tile > kMaxRows)
+        f(b, r0, tile, std::integral_constant<int, kWide>{});
+      else
+        with_rows<kMaxRows>(tile, [&](auto most) { f(b, r0, tile, most); });
+    }
+}
+
 template <int Bits, typename Scale, int Group, bool Derived = false>
 void quant_part(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
-  over_blocks<kMaxRows>(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) {
-    quant_block<Bits, Scale, Group, Derived, tile.value>(w, b, x, r0, out, out_stride, accumulate);
+  over_tiles(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, int64_t tile, auto most) {
+    quant_block<Bits, Scale, Group, Derived, most.value>(w, b, x, r0, tile, out, out_stride, accumulate);
   });
 }
 
@@ -315,28 +348,30 @@ void quant_linear(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, fl
 // ---- int8 head ----
 
 template <int MR>
-void int8_block(const int8_t* head, const float* head_scale, int64_t hidden, int64_t vocab, int64_t block, const QuantizedRows& x, int64_t r0, float* out) {
+void int8_block(const int8_t* head, const float* head_scale, int64_t hidden, int64_t vocab, int64_t block, const QuantizedRows& x, int64_t r0, int64_t rows, float* out) {
   const int64_t groups = hidden / kGroup, per_row = x.stride / kGroup;
   const int8_t* packed = head + block * kBlockN * hidden;
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[MR == kWide ? kWideRows : MR];
+  each_row<MR>(rows, acc, [](int64_t, __m512& a) { a = _mm512_setzero_ps(); });
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* bytes = packed + g * kGroup * kBlockN;
     prefetch_group(reinterpret_cast<const uint8_t*>(bytes), kGroup * kBlockN);
     __m512i weights[kGroup / 2];
     unpack<8>(reinterpret_cast<const uint8_t*>(bytes), weights);
-    for (int r = 0; r < MR; ++r) {
+    each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) {
       const __m512i dot = group_dot(weights, x.q + (r0 + r) * x.stride + g * kGroup);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x.scale[(r0 + r) * per_row + g]), acc[r]);
-    }
+      sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x.scale[(r0 + r) * per_row + g]), sum);
+    });
   }
   const __m512 scale = _mm512_loadu_ps(head_scale + block * kBlockN);
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + (r0 + r) * vocab + block * kBlockN, _mm512_mul_ps(acc[r], scale));
+  each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) { _mm512_storeu_ps(out + (r0 + r) * vocab + block * kBlockN, _mm512_mul_ps(sum, scale)); });
 }
 
 // logits [rows, vocab] = x @ head^T, head int8 per row [vocab / 16, hidden / 2, 16, 2] with scales [vocab].
 void int8_head(const int8_t* head, const float* head_scale, int64_t hidden, int64_t vocab, const QuantizedRows& x, int64_t rows, float* out) {
-  over_blocks<kMaxRows>(vocab / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) { int8_block<tile.value>(head, head_scale, hidden, vocab, b, x, r0, out); });
+  over_tiles(vocab / kBlockN, rows, [&](int64_t b, int64_t r0, int64_t tile, auto most) {
+    int8_block<most.value>(head, head_scale, hidden, vocab, b, x, r0, tile, out);
+  });
 }
 
 }  // namespace

@@ -91,7 +91,7 @@ def test_blocks_unpack_exactly_like_gguf_dequantize(qtype: QType) -> None:
     assert kernel_format(blocks) == f"{qtype.name} as {EXPECTED_FORMATS[qtype]}"
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("rows", [1, 3, 9, 21])  # 9 and 21: tiles of 16 rows, accumulators in L1
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
 def test_native_linear_is_the_dequantized_matmul_up_to_x_rounding(qtype: QType, rows: int) -> None:
     n, k = 48, 512
