@@ -2,13 +2,16 @@
 
     .venv/bin/python -m bench.engine.native_families                      # Qwen3-0.6B's shape, random weights
     .venv/bin/python -m bench.engine.native_families --shape gemma3-270m --tokens 32 --rounds 2
+    .venv/bin/python -m bench.engine.native_families --baseline main --peers native   # this tree's step beside main's
 
 One random-weight model (the values do not change the time) in the shape's config, written as an HF
 directory in bfloat16 and loaded in the default CPU mode; then the same LoadedModel runs through the
 real Engine on the cpu-torch backend and on the cpu-native one, alternated `--rounds` times (the machine's
 load drifts). A figure is generated tokens per second of the decode steps, from the moment every stream
 has its first token (the prompts' prefill is left out) to the last token. The native backend's
-`served` counts are printed so a run that fell back to torch shows it.
+`served` counts are printed so a run that fell back to torch shows it. With `--baseline REV` a third
+backend runs the same packed model on REV's native library (bench/engine/native_baseline.py), for a
+before/after of the step inside one run; `--peers native` leaves the (slow) torch path out.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from bench.engine.native_baseline import baseline_library
 from bench.engine.random_models import write_hf_dir
 from protocol import SamplingParams
 from worker.engine import Engine, GenRequest, SeqOutput
@@ -124,34 +128,41 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="generated per stream")
     parser.add_argument("--streams", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--baseline", help="a git revision whose native library runs beside this tree's")
+    parser.add_argument("--peers", choices=["torch", "native"], default="torch", help="native: no torch path")
     args = parser.parse_args()
     config = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as directory:  # the native step packs its weights from the files
         path = write_hf_dir(pathlib.Path(directory), config, random_weights(config))
         loaded = load_model(str(path), device="cpu")  # the default mode: bfloat16, int4, native steps
-        run(loaded, args)
+        run(loaded, args, pathlib.Path(directory))
 
 
-def run(loaded: LoadedModel, args: argparse.Namespace) -> None:
+def run(loaded: LoadedModel, args: argparse.Namespace, directory: pathlib.Path) -> None:
     threads = torch.get_num_threads()
-    backends = {"torch": CpuTorchBackend(loaded, threads), "native": select_backend(loaded, max_threads=threads)}
+    backends = {} if args.peers == "native" else {"torch": CpuTorchBackend(loaded, threads)}
+    backends["native"] = select_backend(loaded, max_threads=threads)
     assert backends["native"].name == "cpu-native", "the native step does not serve this shape"
+    if args.baseline:
+        baseline = backends[f"native@{args.baseline}"] = select_backend(loaded, max_threads=threads)
+        baseline.native.library = baseline_library(args.baseline, directory)
     figures: dict[tuple[str, int], list[float]] = {}
     for round_ in range(args.rounds):
-        for name, backend in backends.items():
+        names = list(backends) if round_ % 2 == 0 else list(backends)[::-1]  # each first in turn
+        for name in names:
             for streams in args.streams:
-                rate = asyncio.run(decode_tok_s(loaded, backend, streams, args.tokens, salt=round_))
+                rate = asyncio.run(decode_tok_s(loaded, backends[name], streams, args.tokens, salt=round_))
                 figures.setdefault((name, streams), []).append(rate)
-                print(f"round {round_ + 1} {name:6s} {streams:2d} streams: {rate:7.1f} tok/s", flush=True)
+                print(f"round {round_ + 1} {name:12s} {streams:2d} streams: {rate:7.1f} tok/s", flush=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     print(f"\n{args.shape}, random weights, default CPU mode, {threads} threads, {cpu or platform.processor()}")
     print(f"native steps served: {dict(backends['native'].served)}")
+    peers = [name for name in backends if name != "native"]
     for streams in args.streams:
-        torch_rate = statistics.median(figures[("torch", streams)])
-        native_rate = statistics.median(figures[("native", streams)])
-        print(
-            f"{streams:2d} streams: torch {torch_rate:7.1f}  native {native_rate:7.1f} tok/s  ({native_rate / torch_rate:.2f}x)"
-        )
+        rates = {name: statistics.median(figures[(name, streams)]) for name in backends}
+        against = "  ".join(f"{name} {rate:7.1f}" for name, rate in rates.items())
+        ratios = ", ".join(f"native / {peer}: {rates['native'] / rates[peer]:.2f}x" for peer in peers)
+        print(f"{streams:2d} streams: {against} tok/s  ({ratios})")
 
 
 if __name__ == "__main__":
