@@ -16,7 +16,9 @@ Driving a batch, tick by tick:
 2. read the runs' reply streams (one blocking XREAD for all) and fold each run's events
    (item_run.py); a run that ended writes the item's outcome once (HSETNX: a result per item,
    whatever ran twice); a run whose stream shows a hole asks its worker for what is missing
-   (`lmq:resume`, as a live relay does: gateway/resume.py) and is lost only if none answers;
+   (`lmq:resume`, as a live relay does: gateway/resume.py) and is lost only if none answers; a
+   driver that took a batch over asks the same, once, for each run read to its stream's end
+   without an end (lost last entries, `done` among them, show no hole);
 3. a run whose entry is gone from its stream and from the group's pending list without an end
    on its reply stream was lost (a Redis that lost data, an entry withdrawn before a worker read
    it): the item runs again, up to `MAX_ATTEMPTS`; so every item ends with exactly one outcome
@@ -74,6 +76,7 @@ from .store import Batch, BatchStore, Run
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 500
+READ_COUNT = 256  # entries read from each reply stream a round: fewer, and the run's stream is read to its end
 RECONNECT_S = 0.5  # while Redis is unreachable, how often the driver tries it again
 LOST_CHECK_S = 5.0  # a run silent this long is checked for a vanished entry
 MAX_ATTEMPTS = 3
@@ -104,9 +107,11 @@ class Driver:
         self._tokens_left: int | None = None  # the owner's tokens left in its window, as last admitted
         self._checked_at = time.monotonic()
         self._reconnected = False  # Redis came back after an outage: the lease may need taking again
+        self._unasked: dict[int, ItemRun] = {}  # runs taken over, until read to their stream's end
 
     async def run(self) -> None:
         await self._load_runs()
+        self._unasked = dict(self.runs)
         while True:
             try:
                 if not await self._held():
@@ -307,11 +312,27 @@ class Driver:
             return
         by_key = {run.reply_key: run for run in self.runs.values()}
         reply = await self.store.redis.xread(
-            {key: run.cursor for key, run in by_key.items()}, count=256, block=READ_BLOCK_MS
+            {key: run.cursor for key, run in by_key.items()}, count=READ_COUNT, block=READ_BLOCK_MS
         )
+        read = {}
         for key, entries in reply or []:
             run = by_key[key.decode() if isinstance(key, bytes) else key]
+            read[run.index] = len(entries)
             await self._fold(batch, run, entries, ending)
+        self._ask_taken_over(read)
+
+    def _ask_taken_over(self, read: dict[int, int]) -> None:
+        """A run taken over and read to its stream's end without an end resumes once: the entries its
+        worker wrote last (`done` among them) may be lost with Redis's data, and then no hole shows.
+        Its worker, which keeps what it sent, sends the tail again and `resumed` (at once, rather than
+        the item waiting for a claim or the lost check and running again)."""
+        for index, run in list(self._unasked.items()):
+            if self.runs.get(index) is not run or run.ended is not None:
+                del self._unasked[index]
+            elif read.get(index, 0) < READ_COUNT:
+                del self._unasked[index]
+                if not run.resuming:
+                    run.order.resume_now()
 
     async def _resume_runs(self, batch: Batch, ending: str | None) -> None:
         """Ask the workers of resuming runs (again) for what they missed; a run past the bound with a
