@@ -51,7 +51,10 @@ its item not enqueued, until the window resets). With a token limit, the driver 
 flight no more items than the key's tokens left in the window cover (by each item's
 `max_tokens`; one at least), so a batch cannot start hundreds of items on an almost spent budget.
 Each item's real tokens (prompt + completion, as its `done` event counts them) are charged to the
-key when its outcome is written. So a key overshoots by what its in-flight items use beyond their
+key when its outcome is written, exactly once: the write records them as owed to the key (one
+script), and the driver charges what is owed (once per item, by a marker in the counters' slot) and
+clears it, at once and again each round, so a write whose reply was lost, or a driver that died
+after it, charges them all the same. So a key overshoots by what its in-flight items use beyond their
 `max_tokens`, and its prompts, as a live key overshoots by its running requests.
 """
 
@@ -193,6 +196,7 @@ class Driver:
         if batch.status == "validating":
             await self.store.update(self.batch_id, status="in_progress", in_progress_at=repr(now))
             batch.fields["status"] = "in_progress"
+        await self._charge_owed(batch)
         ending = self._ending(batch, now)
         if ending:
             await self._withdraw_runs()
@@ -386,16 +390,29 @@ class Driver:
         if outcome is None:
             await self._retry(batch, run)
             return
-        recorded = await self.store.record(self.batch_id, run.index, outcome, run.attempt)
+        usage = ended.event.get("usage") or {}
+        owed = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+        owed = owed if self.limiter is not None and batch.owner else 0
+        recorded = await self.store.record(self.batch_id, run.index, outcome, run.attempt, owed)
         if recorded:
             await self.store.redis.delete(run.reply_key)
-        if recorded == 2 and self.limiter is not None:
-            usage = ended.event.get("usage") or {}
-            await self.limiter.charge_owner(
-                batch.owner, int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
-            )
+        if recorded == 2 and owed:
+            await self._charge(batch, run.index, owed)
         self.runs.pop(run.index, None)
         self.reserved.pop(run.index, None)
+
+    async def _charge(self, batch: Batch, index: int, tokens: int) -> None:
+        assert self.limiter is not None
+        await self.limiter.charge_owner_once(batch.owner, f"{self.batch_id}.{index}", tokens)
+        await self.store.paid(self.batch_id, index)
+
+    async def _charge_owed(self, batch: Batch) -> None:
+        """Charge what recorded outcomes still owe the owner: a record whose reply was lost (its retry
+        answered "already written"), a driver that died between the record and the charge."""
+        if self.limiter is None:
+            return
+        for index, tokens in self.store.owed(batch).items():
+            await self._charge(batch, index, tokens)
 
     def _outcome(self, run: ItemRun, ended: Ended, ending: str | None) -> dict[str, Any] | None:
         """The item's outcome from how its run ended; None: run it again."""
