@@ -15,7 +15,9 @@ entries with Redis's data (a failover's last writes) shows a hole; the driver th
 relay does (gateway/resume.py's `StreamOrder`): it asks the worker on `lmq:resume` (with the
 response's cancel token) for the events after its last one, takes events only in order until the
 worker's `resumed`, and fails the response (503, tokens lost) only when none comes within
-`resume_timeout` or the worker no longer keeps them. Enqueueing is one
+`resume_timeout` or the worker no longer keeps them. A stream that lost only its last entries
+(its `done` among them) shows no hole, so a driver that takes a response over resumes the same
+way, once, when it has read the stream to its end without an end. Enqueueing is one
 script (once, whoever asks), so a response dropped between its record and its XADD is enqueued by
 its next driver.
 
@@ -55,6 +57,7 @@ from .store import ResponseStore
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 500
+READ_COUNT = 256  # reply stream entries a read takes: fewer, and the stream is read to its end
 LATE_S = 30.0  # past its deadline by this much, a response no worker answers ends failed
 LOST_TOKENS = ApiError(503, "tokens of the answer were lost on the way from the worker")
 
@@ -85,6 +88,7 @@ class Driver:
         self.owner = ""  # the digest of the key it belongs to
         self.started = False  # a worker started it: its place in its key's queue share is free
         self.order = StreamOrder(gateway.config.resume_timeout)  # which reply stream events to take
+        self.unasked = False  # taken over: to resume once the reply stream is read to its end
 
     async def run(self) -> None:
         record = await self.store.record(self.id)
@@ -92,6 +96,7 @@ class Driver:
             await self.store.forget(self.id)
             return
         self.owner = record.get("owner", "")
+        self.unasked = "entry" in record  # enqueued by an earlier driver (or by this gateway before a restart)
         builder = rebuild(self.id, record)
         self.written = await self.store.written(self.id)
         await self._emit(builder.start(queued=True))
@@ -123,7 +128,7 @@ class Driver:
         if self.order.expired():
             return await self._ended(record, builder, builder.fail(LOST_TOKENS))
         reply = await self.store.redis.xread(
-            {self.store.reply_stream(self.id): self.cursor}, count=256, block=READ_BLOCK_MS
+            {self.store.reply_stream(self.id): self.cursor}, count=READ_COUNT, block=READ_BLOCK_MS
         )
         for _, entries in reply or []:
             for entry_id, fields in entries:
@@ -145,7 +150,18 @@ class Driver:
                     await self.store.update(self.id, {"response": builder.response()})
                     self.started = True
                     await self._free_place()
+        self._ask_taken_over(reply)
         return False
+
+    def _ask_taken_over(self, reply: list | None) -> None:
+        """Once a response taken over is read to its stream's end (a read short of its count), resume:
+        the entries its worker wrote last (`done` among them) may be lost with Redis's data, and then
+        no hole shows (a read that met the end ended the response before this)."""
+        read = sum(len(entries) for _, entries in reply or [])
+        if self.unasked and read < READ_COUNT:
+            self.unasked = False
+            if not self.order.resume.active:
+                self.order.resume_now()
 
     def _fold(self, builder: ResponseBuilder, event: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         """The stream events a worker event makes, and whether the response ended with it."""

@@ -66,3 +66,29 @@ async def test_a_gateway_that_takes_a_background_response_over_gets_the_holes_of
 
 async def _at_least(redis, key: str, deltas: int) -> bool:
     return await _deltas(redis, key) >= deltas
+
+
+async def test_a_gateway_that_takes_over_a_finished_response_whose_stream_lost_its_end_gets_the_tail(redis_url, tiny):
+    """The lost entries were the worker's last ones, `done` among them: no hole shows, so the driver
+    that takes the response over asks the worker once it has read the stream to its end."""
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        async with real_worker(redis_url, slow(tiny, 0.05)):
+            async with running_gateway(redis_url, gateway_id="gw-a") as url:
+                client = sdk(url)
+                reference = await _ended(client, (await client.responses.create(**request(), background=True)).id)
+                response = await client.responses.create(**request(), background=True)
+                key = f"lmq:reply:response:{response.id}"
+                await poll(lambda: _at_least(redis, key, 4), what="the answer mid-way", interval=0.02)
+            await poll(lambda: _has_done(redis, key), what="the worker to finish while no gateway drives it")
+            await redis.xdel(key, *[entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]])
+            async with running_gateway(redis_url, gateway_id="gw-b") as url:
+                done = await _ended(sdk(url), response.id)
+    finally:
+        await redis.aclose()
+    assert (done.status, done.error) == (reference.status, None), done.error
+    assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
+
+
+async def _has_done(redis, key: str) -> bool:
+    return any(protocol.decode_event(fields[b"msg"])["type"] == "done" for _, fields in await redis.xrange(key))
