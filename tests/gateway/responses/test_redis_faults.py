@@ -10,6 +10,9 @@ run of the same request does (float32 greedy).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -19,6 +22,7 @@ from tests.support.batch_files import poll, slow
 from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
 
 LOST_TAIL = 3
+DOWN_S = 1.0  # the outage: past the client's own retries (0.35 s), well within the resume bound
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # two runs on slowed steps each: seconds
@@ -92,3 +96,34 @@ async def test_a_gateway_that_takes_over_a_finished_response_whose_stream_lost_i
 
 async def _has_done(redis, key: str) -> bool:
     return any(protocol.decode_event(fields[b"msg"])["type"] == "done" for _, fields in await redis.xrange(key))
+
+
+@pytest.mark.parametrize("kind", ["redis6", "valkey9"])
+async def test_a_redis_restart_that_lost_reply_entries_is_ridden_out_by_the_driver_that_holds_the_response(
+    kind, fresh_redis_server, tiny, caplog
+):
+    """Redis SIGKILLed mid-answer and started again from its append-only file, the reply stream
+    losing its last entries: the driver keeps the lease through the outage (it is not handed back
+    to wait for its expiry and a new driver), and the response ends with its exact text."""
+    caplog.set_level(logging.INFO, logger="gateway.leased_drivers")
+    server = fresh_redis_server(kind, appendonly=True)
+    redis = aioredis.Redis.from_url(server.url)
+    try:
+        async with real_worker(server.url, slow(tiny, 0.05)), running_gateway(server.url) as url:
+            client = sdk(url)
+            reference = await _ended(client, (await client.responses.create(**request(), background=True)).id)
+            response = await client.responses.create(**request(), background=True)
+            key = f"lmq:reply:response:{response.id}"
+            await poll(lambda: _at_least(redis, key, 4), what="the answer mid-way", interval=0.02)
+            tail = [entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]]
+            await asyncio.to_thread(server.kill)
+            await asyncio.sleep(DOWN_S)
+            await asyncio.to_thread(server.start)
+            await redis.xdel(key, *tail)
+            done = await _ended(client, response.id)
+    finally:
+        await redis.aclose()
+    assert (done.status, done.error) == (reference.status, None), done.error
+    assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
+    driven = [r for r in caplog.records if r.getMessage() == f"driving background response {response.id}"]
+    assert len(driven) == 1, [r.getMessage() for r in caplog.records]  # one driver, from start to end
