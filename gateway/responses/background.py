@@ -256,10 +256,14 @@ class Driver:
 
     async def _end(self, record: dict[str, str], builder: ResponseBuilder) -> None:
         history = json.loads(record.get("history") or "[]") + output_messages(builder.output)
+        if self.limiter is not None and builder.usage is not None:
+            # Before the end, once by the response's id: an end whose reply was lost leaves nothing to
+            # charge after it (the next drive finds the response ended), and a driver that dies between
+            # the two charges nothing twice when the next one ends it.
+            owner, tokens = record.get("owner", ""), builder.usage["total_tokens"]
+            await self.limiter.charge_owner_once(owner, f"response:{self.id}", tokens)
         await self.store.end(self.id, {"state": builder.status, "response": builder.response(), "history": history})
         await self._free_place()
-        if self.limiter is not None and builder.usage is not None:  # after the end: charged at most once
-            await self.limiter.charge_owner(record.get("owner", ""), builder.usage["total_tokens"])
         self._count(record["model"], builder)
         log.info("background response %s %s", self.id, builder.status)
 

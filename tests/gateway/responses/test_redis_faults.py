@@ -16,8 +16,12 @@ import logging
 import openai
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError
 
 import protocol
+from gateway.auth import key_digest
+from gateway.responses.store import ResponseStore
+from protocol.keys import rate_limit_key
 from tests.support.batch_files import poll, slow
 from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
 
@@ -127,3 +131,28 @@ async def test_a_redis_restart_that_lost_reply_entries_is_ridden_out_by_the_driv
     assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
     driven = [r for r in caplog.records if r.getMessage() == f"driving background response {response.id}"]
     assert len(driven) == 1, [r.getMessage() for r in caplog.records]  # one driver, from start to end
+
+
+async def test_a_background_response_whose_end_lost_its_reply_is_charged_to_its_key(
+    redis_url, redis_client, tiny, monkeypatch
+):
+    """The end's write landed and its reply was lost (a connection cut): the driver, which charged the
+    key only after the end answered, charged nothing, and the next drive finds the response ended."""
+    end = ResponseStore.end
+    cut: list[str] = []
+
+    async def reply_lost(self, response_id, fields):
+        await end(self, response_id, fields)
+        if not cut:
+            cut.append(response_id)
+            raise ConnectionError("the connection broke before the reply")
+
+    monkeypatch.setattr(ResponseStore, "end", reply_lost)
+    async with (
+        real_worker(redis_url, tiny),
+        running_gateway(redis_url, api_keys="key-a", rate_limit_tokens=100_000) as url,
+    ):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0)
+        done = await _ended(client, (await client.responses.create(**request(), background=True)).id)
+    assert cut == [done.id] and done.error is None and done.usage.total_tokens > 0
+    assert int(await redis_client.get(rate_limit_key(key_digest("key-a"), "tokens")) or 0) == done.usage.total_tokens
