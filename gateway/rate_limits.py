@@ -5,7 +5,7 @@ With API keys configured, each key may make `rate_limit_requests` requests and u
 its own numbers (`sk-team-a requests=600 tokens=200000`), 0 = no limit. What counts: every POST
 under /v1/ except the batch APIs' own calls; a batch's items count instead, each as a request with
 its real tokens, charged to the key that owns the batch (gateway/batches/runner.py: `admit_owner`,
-`charge_owner`; an item waits while its key is over a limit).
+`charge_owner_once`, exactly once per item; an item waits while its key is over a limit).
 
 The window is fixed and starts with a key's first request after the previous one ended (a
 counter that expires 60 s after it was created). One Lua script reads both counters and counts
@@ -84,6 +84,15 @@ if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) 
 return total
 """
 
+# KEYS = [tokens counter, the charge's marker]; ARGV = [tokens, window ms, marker ms]: charged once by marker
+CHARGE_ONCE_LUA = r"""
+if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[3]) then return 0 end
+redis.call('INCRBY', KEYS[1], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+CHARGED_MS = 5 * WINDOW_MS  # a charge made again within this is not counted twice
+
 
 @dataclass
 class Ledger:
@@ -153,6 +162,7 @@ class RateLimiter:
         self.metrics = metrics
         self._admit = redis.register_script(ADMIT_LUA)
         self._charge = redis.register_script(CHARGE_LUA)
+        self._charge_once = redis.register_script(CHARGE_ONCE_LUA)
 
     def limits_for(self, key: str | None) -> Limits:
         return self.limits.get(key or "", self.limits[""]) if key else Limits()
@@ -194,6 +204,14 @@ class RateLimiter:
         """Add a finished batch item's tokens to the key `owner`'s window."""
         if owner and tokens > 0:
             await self._charge(keys=[rate_limit_key(owner, "tokens")], args=[tokens, WINDOW_MS])
+
+    async def charge_owner_once(self, owner: str, charge_id: str, tokens: int) -> None:
+        """`charge_owner`, counted once for `charge_id` however often it is made within CHARGED_MS: a
+        charge Redis took but whose reply was lost, or whose caller died before marking it paid, may
+        be made again. The marker shares the counters' slot (their hash tag)."""
+        if owner and tokens > 0:
+            keys = [rate_limit_key(owner, "tokens"), rate_limit_key(owner, f"charged:{charge_id}")]
+            await self._charge_once(keys=keys, args=[tokens, WINDOW_MS, CHARGED_MS])
 
 
 def setup_rate_limits(app: web.Application, limiter: RateLimiter) -> None:

@@ -16,7 +16,9 @@ Driving a batch, tick by tick:
 2. read the runs' reply streams (one blocking XREAD for all) and fold each run's events
    (item_run.py); a run that ended writes the item's outcome once (HSETNX: a result per item,
    whatever ran twice); a run whose stream shows a hole asks its worker for what is missing
-   (`lmq:resume`, as a live relay does: gateway/resume.py) and is lost only if none answers;
+   (`lmq:resume`, as a live relay does: gateway/resume.py) and is lost only if none answers; a
+   driver that took a batch over asks the same, once, for each run read to its stream's end
+   without an end (lost last entries, `done` among them, show no hole);
 3. a run whose entry is gone from its stream and from the group's pending list without an end
    on its reply stream was lost (a Redis that lost data, an entry withdrawn before a worker read
    it): the item runs again, up to `MAX_ATTEMPTS`; so every item ends with exactly one outcome
@@ -49,7 +51,10 @@ its item not enqueued, until the window resets). With a token limit, the driver 
 flight no more items than the key's tokens left in the window cover (by each item's
 `max_tokens`; one at least), so a batch cannot start hundreds of items on an almost spent budget.
 Each item's real tokens (prompt + completion, as its `done` event counts them) are charged to the
-key when its outcome is written. So a key overshoots by what its in-flight items use beyond their
+key when its outcome is written, exactly once: the write records them as owed to the key (one
+script), and the driver charges what is owed (once per item, by a marker in the counters' slot) and
+clears it, at once and again each round, so a write whose reply was lost, or a driver that died
+after it, charges them all the same. So a key overshoots by what its in-flight items use beyond their
 `max_tokens`, and its prompts, as a live key overshoots by its running requests.
 """
 
@@ -74,6 +79,7 @@ from .store import Batch, BatchStore, Run
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 500
+READ_COUNT = 256  # entries read from each reply stream a round: fewer, and the run's stream is read to its end
 RECONNECT_S = 0.5  # while Redis is unreachable, how often the driver tries it again
 LOST_CHECK_S = 5.0  # a run silent this long is checked for a vanished entry
 MAX_ATTEMPTS = 3
@@ -104,9 +110,11 @@ class Driver:
         self._tokens_left: int | None = None  # the owner's tokens left in its window, as last admitted
         self._checked_at = time.monotonic()
         self._reconnected = False  # Redis came back after an outage: the lease may need taking again
+        self._unasked: dict[int, ItemRun] = {}  # runs taken over, until read to their stream's end
 
     async def run(self) -> None:
         await self._load_runs()
+        self._unasked = dict(self.runs)
         while True:
             try:
                 if not await self._held():
@@ -188,6 +196,7 @@ class Driver:
         if batch.status == "validating":
             await self.store.update(self.batch_id, status="in_progress", in_progress_at=repr(now))
             batch.fields["status"] = "in_progress"
+        await self._charge_owed(batch)
         ending = self._ending(batch, now)
         if ending:
             await self._withdraw_runs()
@@ -307,11 +316,27 @@ class Driver:
             return
         by_key = {run.reply_key: run for run in self.runs.values()}
         reply = await self.store.redis.xread(
-            {key: run.cursor for key, run in by_key.items()}, count=256, block=READ_BLOCK_MS
+            {key: run.cursor for key, run in by_key.items()}, count=READ_COUNT, block=READ_BLOCK_MS
         )
+        read = {}
         for key, entries in reply or []:
             run = by_key[key.decode() if isinstance(key, bytes) else key]
+            read[run.index] = len(entries)
             await self._fold(batch, run, entries, ending)
+        self._ask_taken_over(read)
+
+    def _ask_taken_over(self, read: dict[int, int]) -> None:
+        """A run taken over and read to its stream's end without an end resumes once: the entries its
+        worker wrote last (`done` among them) may be lost with Redis's data, and then no hole shows.
+        Its worker, which keeps what it sent, sends the tail again and `resumed` (at once, rather than
+        the item waiting for a claim or the lost check and running again)."""
+        for index, run in list(self._unasked.items()):
+            if self.runs.get(index) is not run or run.ended is not None:
+                del self._unasked[index]
+            elif read.get(index, 0) < READ_COUNT:
+                del self._unasked[index]
+                if not run.resuming:
+                    run.order.resume_now()
 
     async def _resume_runs(self, batch: Batch, ending: str | None) -> None:
         """Ask the workers of resuming runs (again) for what they missed; a run past the bound with a
@@ -365,16 +390,29 @@ class Driver:
         if outcome is None:
             await self._retry(batch, run)
             return
-        recorded = await self.store.record(self.batch_id, run.index, outcome, run.attempt)
+        usage = ended.event.get("usage") or {}
+        owed = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+        owed = owed if self.limiter is not None and batch.owner else 0
+        recorded = await self.store.record(self.batch_id, run.index, outcome, run.attempt, owed)
         if recorded:
             await self.store.redis.delete(run.reply_key)
-        if recorded == 2 and self.limiter is not None:
-            usage = ended.event.get("usage") or {}
-            await self.limiter.charge_owner(
-                batch.owner, int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
-            )
+        if recorded == 2 and owed:
+            await self._charge(batch, run.index, owed)
         self.runs.pop(run.index, None)
         self.reserved.pop(run.index, None)
+
+    async def _charge(self, batch: Batch, index: int, tokens: int) -> None:
+        assert self.limiter is not None
+        await self.limiter.charge_owner_once(batch.owner, f"{self.batch_id}.{index}", tokens)
+        await self.store.paid(self.batch_id, index)
+
+    async def _charge_owed(self, batch: Batch) -> None:
+        """Charge what recorded outcomes still owe the owner: a record whose reply was lost (its retry
+        answered "already written"), a driver that died between the record and the charge."""
+        if self.limiter is None:
+            return
+        for index, tokens in self.store.owed(batch).items():
+            await self._charge(batch, index, tokens)
 
     def _outcome(self, run: ItemRun, ended: Ended, ending: str | None) -> dict[str, Any] | None:
         """The item's outcome from how its run ended; None: run it again."""

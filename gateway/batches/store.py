@@ -78,8 +78,10 @@ redis.call('HSET', KEYS[2], ARGV[2], ARGV[3] .. ' ' .. KEYS[4] .. ' ' .. entry)
 return entry
 """
 
+OWED = "owed:"  # a batch hash field per item whose tokens are not charged to the owner yet
 RECORD_LUA = r"""
--- KEYS = [batch, inflight, results]; ARGV = [index, outcome JSON, outcome, attempt or "", prompt, completion, cached tokens]
+-- KEYS = [batch, inflight, results]
+-- ARGV = [index, outcome JSON, outcome, attempt or "", prompt, completion, cached tokens, tokens owed to the owner]
 if ARGV[4] ~= '' then
   local current = redis.call('HGET', KEYS[2], ARGV[1])
   if current and string.match(current, '^%S+') ~= ARGV[4] then return 0 end
@@ -90,6 +92,7 @@ if wrote then
   redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[5])
   redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[6])
   redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[7])
+  if tonumber(ARGV[8]) > 0 then redis.call('HSET', KEYS[1], 'owed:' .. ARGV[1], ARGV[8]) end
 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 return wrote and 2 or 1  -- 2: this call wrote the outcome
@@ -484,16 +487,31 @@ class BatchStore:
         keys = [batch(batch_id), batch(batch_id, "inflight"), batch(batch_id, "lease"), stream or batch(batch_id)]
         return await self._enqueue(keys=keys, args=[gateway_id, index, *args])
 
-    async def record(self, batch_id: str, index: int, outcome: dict[str, Any], attempt: int | None) -> int:
+    async def record(
+        self, batch_id: str, index: int, outcome: dict[str, Any], attempt: int | None, owed: int = 0
+    ) -> int:
         """Write the item's outcome unless one is written: 2 when this call wrote it, 1 when one was
-        written already, 0 (false) when a newer attempt runs the item."""
+        written already, 0 (false) when a newer attempt runs the item. The write that lands also
+        records the `owed` tokens the owner's rate limit is to be charged (`owed`, `paid`): a retry
+        after a lost reply answers 1, and the charge is not lost with that reply."""
         usage = outcome.get("usage") or {}
         keys = self._record_keys(batch_id)
         args = [
             index, json.dumps(outcome, separators=(",", ":")), outcome["outcome"], "" if attempt is None else str(attempt),
-            usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0),
+            usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), usage.get("cached_tokens", 0), owed,
         ]  # fmt: skip
         return int(await self._record(keys=keys, args=args))
+
+    @staticmethod
+    def owed(batch: Batch) -> dict[int, int]:
+        """Item index -> the tokens its recorded outcome owes the owner's rate limit, not charged yet."""
+        return {
+            int(name.removeprefix(OWED)): int(value) for name, value in batch.fields.items() if name.startswith(OWED)
+        }
+
+    async def paid(self, batch_id: str, index: int) -> None:
+        """The item's owed tokens are charged."""
+        await self.redis.hdel(self.home.batch_key(batch_id), f"{OWED}{index}")
 
     async def record_many(self, batch_id: str, outcomes: list[tuple[int, dict[str, Any]]]) -> None:
         """Outcomes of items that never ran (cancelled, expired), `CHUNK` to a script call (a cluster's

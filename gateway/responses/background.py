@@ -15,7 +15,13 @@ entries with Redis's data (a failover's last writes) shows a hole; the driver th
 relay does (gateway/resume.py's `StreamOrder`): it asks the worker on `lmq:resume` (with the
 response's cancel token) for the events after its last one, takes events only in order until the
 worker's `resumed`, and fails the response (503, tokens lost) only when none comes within
-`resume_timeout` or the worker no longer keeps them. Enqueueing is one
+`resume_timeout` or the worker no longer keeps them. A stream that lost only its last entries
+(its `done` among them) shows no hole, so a driver that takes a response over resumes the same
+way, once, when it has read the stream to its end without an end. Redis unreachable (a restart,
+a failover): the driver keeps the lease through the outage, up to `resume_timeout`, rather than
+handing the response back to wait for the lease's expiry; once Redis answers it takes the lease
+again if that expired and nobody took it, and drives the response again from what Redis holds,
+as a driver that takes it over does (read from the start, asking once at the end). Enqueueing is one
 script (once, whoever asks), so a response dropped between its record and its XADD is enqueued by
 its next driver.
 
@@ -33,17 +39,19 @@ that lost the entry) ends `failed`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from typing import Any
 
 import protocol
+from protocol.redis_client import UNREACHABLE
 
 from ..context import Gateway
 from ..errors import ApiError
 from ..generation import Done, Usage
-from ..leased_drivers import Lease, LeasedDrivers
+from ..leased_drivers import LEASE_MS, Lease, LeasedDrivers
 from ..reasoning import Thinking
 from ..resume import DROP, LOST, StreamOrder, ask_for
 from ..token_order import token_gap
@@ -55,6 +63,8 @@ from .store import ResponseStore
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 500
+READ_COUNT = 256  # reply stream entries a read takes: fewer, and the stream is read to its end
+RECONNECT_S = 0.5  # while Redis is unreachable, how often the driver tries it again
 LATE_S = 30.0  # past its deadline by this much, a response no worker answers ends failed
 LOST_TOKENS = ApiError(503, "tokens of the answer were lost on the way from the worker")
 
@@ -85,17 +95,59 @@ class Driver:
         self.owner = ""  # the digest of the key it belongs to
         self.started = False  # a worker started it: its place in its key's queue share is free
         self.order = StreamOrder(gateway.config.resume_timeout)  # which reply stream events to take
+        self.unasked = False  # taken over: to resume once the reply stream is read to its end
+        self.reconnected = False  # Redis answers again after an outage: the lease may need taking again
 
     async def run(self) -> None:
+        while True:
+            try:
+                await self._drive()
+                return
+            except UNREACHABLE as exc:
+                if not await self._ride_out(exc):
+                    raise
+
+    async def _ride_out(self, exc: Exception) -> bool:
+        """Keep the lease through an outage, up to the resume bound: True once Redis answers again
+        (the response is then driven again from what Redis holds, as a driver that takes it over
+        would, and asks its worker for what the server lost), False past the bound (handed back)."""
+        bound = self.gateway.config.resume_timeout
+        log.warning("background response %s: redis unreachable (%s); keeping it for up to %g s", self.id, exc, bound)
+        until = time.monotonic() + bound
+        while time.monotonic() < until:
+            await asyncio.sleep(RECONNECT_S)
+            try:
+                await self.store.redis.ping()
+            except UNREACHABLE:
+                continue
+            self.reconnected = True
+            log.warning("background response %s: redis answers again; reading its reply stream again", self.id)
+            return True
+        return False
+
+    async def _held(self) -> bool:
+        """The lease is still this gateway's; right after an outage it may have expired (or been lost
+        with the server's last writes): taken again if nobody else took it."""
+        if await self.lease.renew():
+            return True
+        return self.reconnected and await self.store.take_lease(self.id, self.lease.holder, LEASE_MS)
+
+    async def _drive(self) -> None:
+        """Drive the response from what Redis holds: its reply stream read from the start (events
+        already written are not written again) until it ends or the lease is lost."""
         record = await self.store.record(self.id)
         if record is None or record.get("state") != "running":
             await self.store.forget(self.id)
             return
         self.owner = record.get("owner", "")
+        self.cursor, self.tokens, self.thinking = "0-0", 0, Thinking()
+        self.order = StreamOrder(self.gateway.config.resume_timeout)
+        self.unasked = "entry" in record  # enqueued by an earlier driver, or before an outage
         builder = rebuild(self.id, record)
         self.written = await self.store.written(self.id)
         await self._emit(builder.start(queued=True))
-        while await self.lease.renew():
+        while await self._held():
+            self.reconnected = False
             record = await self.store.record(self.id)
             if record is None:
                 await self._withdraw(None)
@@ -123,7 +175,7 @@ class Driver:
         if self.order.expired():
             return await self._ended(record, builder, builder.fail(LOST_TOKENS))
         reply = await self.store.redis.xread(
-            {self.store.reply_stream(self.id): self.cursor}, count=256, block=READ_BLOCK_MS
+            {self.store.reply_stream(self.id): self.cursor}, count=READ_COUNT, block=READ_BLOCK_MS
         )
         for _, entries in reply or []:
             for entry_id, fields in entries:
@@ -145,7 +197,18 @@ class Driver:
                     await self.store.update(self.id, {"response": builder.response()})
                     self.started = True
                     await self._free_place()
+        self._ask_taken_over(reply)
         return False
+
+    def _ask_taken_over(self, reply: list | None) -> None:
+        """Once a response taken over is read to its stream's end (a read short of its count), resume:
+        the entries its worker wrote last (`done` among them) may be lost with Redis's data, and then
+        no hole shows (a read that met the end ended the response before this)."""
+        read = sum(len(entries) for _, entries in reply or [])
+        if self.unasked and read < READ_COUNT:
+            self.unasked = False
+            if not self.order.resume.active:
+                self.order.resume_now()
 
     def _fold(self, builder: ResponseBuilder, event: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         """The stream events a worker event makes, and whether the response ended with it."""
@@ -193,10 +256,14 @@ class Driver:
 
     async def _end(self, record: dict[str, str], builder: ResponseBuilder) -> None:
         history = json.loads(record.get("history") or "[]") + output_messages(builder.output)
+        if self.limiter is not None and builder.usage is not None:
+            # Before the end, once by the response's id: an end whose reply was lost leaves nothing to
+            # charge after it (the next drive finds the response ended), and a driver that dies between
+            # the two charges nothing twice when the next one ends it.
+            owner, tokens = record.get("owner", ""), builder.usage["total_tokens"]
+            await self.limiter.charge_owner_once(owner, f"response:{self.id}", tokens)
         await self.store.end(self.id, {"state": builder.status, "response": builder.response(), "history": history})
         await self._free_place()
-        if self.limiter is not None and builder.usage is not None:  # after the end: charged at most once
-            await self.limiter.charge_owner(record.get("owner", ""), builder.usage["total_tokens"])
         self._count(record["model"], builder)
         log.info("background response %s %s", self.id, builder.status)
 

@@ -9,6 +9,9 @@ import openai
 import pytest
 from redis.crc import key_slot
 
+from gateway.metrics import Metrics
+from gateway.rate_limits import CHARGED_MS, Limits, RateLimiter
+from protocol.keys import rate_limit_key
 from tests.support.gateway_harness import MODEL, running_gateway, words_script, worker_running
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -115,3 +118,16 @@ async def test_a_keys_counters_share_one_hash_slot_and_never_spell_the_key(redis
     assert [name.rsplit(":", 1)[1] for name in names] == ["requests", "tokens"]
     assert len({key_slot(name.encode()) for name in names}) == 1 and all("{" in name for name in names)
     assert not any("sk-secret-7" in name for name in names)
+
+
+async def test_a_charge_made_again_counts_once_and_its_marker_expires(redis_client):
+    """A batch item's tokens may be charged again (a lost reply, a driver that died before marking
+    them paid: gateway/batches/runner.py): counted once per charge id, the marker in the counters' slot."""
+    limiter = RateLimiter(redis_client, {"": Limits()}, Metrics())
+    for _ in range(2):
+        await limiter.charge_owner_once("d1", "batch_x.3", 25)
+    await limiter.charge_owner_once("d1", "batch_x.4", 5)
+    assert int(await redis_client.get(rate_limit_key("d1", "tokens"))) == 30
+    marker = rate_limit_key("d1", "charged:batch_x.3")
+    assert key_slot(marker.encode()) == key_slot(rate_limit_key("d1", "tokens").encode())
+    assert 0 < await redis_client.pttl(marker) <= CHARGED_MS

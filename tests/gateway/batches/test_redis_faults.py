@@ -10,7 +10,9 @@ end once, by its first run, with the exact text of an undisturbed run (float32 g
   through the outage and goes on from what it consumed;
 - the same through a Sentinel failover (the primary SIGKILLed, the replica promoted);
 - a runner that had not read the lost entries (a gateway that takes the batch over) sees the holes
-  and gets what is missing from the worker that still holds it (`lmq:resume`, docs/protocol.md).
+  and gets what is missing from the worker that still holds it (`lmq:resume`, docs/protocol.md);
+- one whose streams lost their last entries, `done` included, after every item finished: no hole
+  shows, so the runner that takes the batch over asks each run with no end yet at once.
 """
 
 from __future__ import annotations
@@ -118,6 +120,41 @@ async def test_a_gateway_that_takes_over_reply_streams_with_holes_gets_them_fill
                 batch = await create_batch(client, lines())
                 keys, tails = await _mid_answer(redis, batch.id)
             await _lose_tails(redis, keys, tails)  # the stopped gateway had read them; its successor has not
+            async with running_gateway(server.url, gateway_id="gw-b") as url:
+                answers = await _answers(openai_client(url), batch.id)
+    finally:
+        await redis.aclose()
+    _assert_once_and_exact(answers, reference)
+
+
+async def _all_done(redis, keys: list[str]) -> None:
+    async def ended():
+        return all(
+            [
+                any(protocol.decode_event(f[b"msg"])["type"] == "done" for _, f in await redis.xrange(key))
+                for key in keys
+            ]
+        )
+
+    await poll(ended, what="every item's done on its reply stream", interval=0.05)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_gateway_that_takes_over_reply_streams_that_lost_their_ends_gets_the_tails_from_the_worker(
+    kind, fresh_redis_server, tiny
+):
+    server = fresh_redis_server(kind)
+    redis = aioredis.Redis.from_url(server.url)
+    try:
+        async with real_worker(server.url, slow(tiny, 0.05), max_seqs=ITEMS):
+            async with running_gateway(server.url, gateway_id="gw-a") as url:
+                client = openai_client(url)
+                reference = await _answers(client, (await create_batch(client, lines())).id)
+                batch = await create_batch(client, lines())
+                keys, _ = await _mid_answer(redis, batch.id)
+            await _all_done(redis, keys)  # the worker finished every item while no gateway drove the batch
+            for key in keys:  # the writes lost: each stream's last entries, its `done` among them
+                await redis.xdel(key, *[entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]])
             async with running_gateway(server.url, gateway_id="gw-b") as url:
                 answers = await _answers(openai_client(url), batch.id)
     finally:

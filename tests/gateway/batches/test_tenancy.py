@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from gateway.auth import key_digest
+from gateway.batches.store import BatchStore
 from protocol.keys import rate_limit_key
 from tests.support.batch_files import (
     anthropic_client,
@@ -181,3 +182,27 @@ async def test_a_batch_counts_against_its_keys_token_limit_and_waits_for_the_bud
             charged += int(await redis_client.getdel(counter) or 0)
     assert batch.status == "completed" and batch.request_counts.completed == 12
     assert charged + int(await redis_client.get(counter) or 0) == batch.usage.total_tokens
+
+
+@pytest.mark.slow  # a batch run: seconds
+async def test_an_outcome_whose_write_was_retried_after_a_lost_reply_is_charged_once(
+    redis_url, redis_client, tiny, monkeypatch
+):
+    """The client retries a script whose reply it lost (protocol/redis_client.py); the write had
+    landed, so the retry answers "already written" and the item's tokens went uncharged (issue 30)."""
+    record = BatchStore.record
+
+    async def reply_lost(self, *args):
+        await record(self, *args)  # it landed; its reply did not
+        return await record(self, *args)  # the retry
+
+    monkeypatch.setattr(BatchStore, "record", reply_lost)
+    async with (
+        real_worker(redis_url, tiny),
+        running_gateway(redis_url, api_keys=KEY_A, rate_limit_tokens=100_000) as url,
+    ):
+        client = openai_client(url, KEY_A)
+        batch = await create_batch(client, [chat_line(f"c{i}", f"Count to {i}", max_tokens=4) for i in range(3)])
+        done = await openai_batch_end(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 3 and done.usage.total_tokens > 0
+    assert int(await redis_client.get(rate_limit_key(key_digest(KEY_A), "tokens")) or 0) == done.usage.total_tokens

@@ -10,15 +10,23 @@ run of the same request does (float32 greedy).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import openai
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError
 
 import protocol
+from gateway.auth import key_digest
+from gateway.responses.store import ResponseStore
+from protocol.keys import rate_limit_key
 from tests.support.batch_files import poll, slow
 from tests.support.gateway_harness import REAL_MODEL, real_worker, running_gateway
 
 LOST_TAIL = 3
+DOWN_S = 1.0  # the outage: past the client's own retries (0.35 s), well within the resume bound
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # two runs on slowed steps each: seconds
@@ -66,3 +74,85 @@ async def test_a_gateway_that_takes_a_background_response_over_gets_the_holes_of
 
 async def _at_least(redis, key: str, deltas: int) -> bool:
     return await _deltas(redis, key) >= deltas
+
+
+async def test_a_gateway_that_takes_over_a_finished_response_whose_stream_lost_its_end_gets_the_tail(redis_url, tiny):
+    """The lost entries were the worker's last ones, `done` among them: no hole shows, so the driver
+    that takes the response over asks the worker once it has read the stream to its end."""
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        async with real_worker(redis_url, slow(tiny, 0.05)):
+            async with running_gateway(redis_url, gateway_id="gw-a") as url:
+                client = sdk(url)
+                reference = await _ended(client, (await client.responses.create(**request(), background=True)).id)
+                response = await client.responses.create(**request(), background=True)
+                key = f"lmq:reply:response:{response.id}"
+                await poll(lambda: _at_least(redis, key, 4), what="the answer mid-way", interval=0.02)
+            await poll(lambda: _has_done(redis, key), what="the worker to finish while no gateway drives it")
+            await redis.xdel(key, *[entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]])
+            async with running_gateway(redis_url, gateway_id="gw-b") as url:
+                done = await _ended(sdk(url), response.id)
+    finally:
+        await redis.aclose()
+    assert (done.status, done.error) == (reference.status, None), done.error
+    assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
+
+
+async def _has_done(redis, key: str) -> bool:
+    return any(protocol.decode_event(fields[b"msg"])["type"] == "done" for _, fields in await redis.xrange(key))
+
+
+@pytest.mark.parametrize("kind", ["redis6", "valkey9"])
+async def test_a_redis_restart_that_lost_reply_entries_is_ridden_out_by_the_driver_that_holds_the_response(
+    kind, fresh_redis_server, tiny, caplog
+):
+    """Redis SIGKILLed mid-answer and started again from its append-only file, the reply stream
+    losing its last entries: the driver keeps the lease through the outage (it is not handed back
+    to wait for its expiry and a new driver), and the response ends with its exact text."""
+    caplog.set_level(logging.INFO, logger="gateway.leased_drivers")
+    server = fresh_redis_server(kind, appendonly=True)
+    redis = aioredis.Redis.from_url(server.url)
+    try:
+        async with real_worker(server.url, slow(tiny, 0.05)), running_gateway(server.url) as url:
+            client = sdk(url)
+            reference = await _ended(client, (await client.responses.create(**request(), background=True)).id)
+            response = await client.responses.create(**request(), background=True)
+            key = f"lmq:reply:response:{response.id}"
+            await poll(lambda: _at_least(redis, key, 4), what="the answer mid-way", interval=0.02)
+            tail = [entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]]
+            await asyncio.to_thread(server.kill)
+            await asyncio.sleep(DOWN_S)
+            await asyncio.to_thread(server.start)
+            await redis.xdel(key, *tail)
+            done = await _ended(client, response.id)
+    finally:
+        await redis.aclose()
+    assert (done.status, done.error) == (reference.status, None), done.error
+    assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
+    driven = [r for r in caplog.records if r.getMessage() == f"driving background response {response.id}"]
+    assert len(driven) == 1, [r.getMessage() for r in caplog.records]  # one driver, from start to end
+
+
+async def test_a_background_response_whose_end_lost_its_reply_is_charged_to_its_key(
+    redis_url, redis_client, tiny, monkeypatch
+):
+    """The end's write landed and its reply was lost (a connection cut): the driver, which charged the
+    key only after the end answered, charged nothing, and the next drive finds the response ended."""
+    end = ResponseStore.end
+    cut: list[str] = []
+
+    async def reply_lost(self, response_id, fields):
+        await end(self, response_id, fields)
+        if not cut:
+            cut.append(response_id)
+            raise ConnectionError("the connection broke before the reply")
+
+    monkeypatch.setattr(ResponseStore, "end", reply_lost)
+    async with (
+        real_worker(redis_url, tiny),
+        running_gateway(redis_url, api_keys="key-a", rate_limit_tokens=100_000) as url,
+    ):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0)
+        done = await _ended(client, (await client.responses.create(**request(), background=True)).id)
+    assert cut == [done.id] and done.error is None and done.usage.total_tokens > 0
+    assert int(await redis_client.get(rate_limit_key(key_digest("key-a"), "tokens")) or 0) == done.usage.total_tokens
