@@ -98,7 +98,6 @@ def install(engine: Engine, spans: Spans) -> torch.Tensor:
     compute = spans.timed("compute", engine._compute)
     engine._compute = compute
     compute_thread.run_async = spans.timed_async("run_async", RUN_ASYNC)
-    engine._append = spans.timed("append", engine._append)
     phases = torch.zeros(len(PHASES), dtype=torch.float64)
     native.phase_seconds = phases
     return phases
@@ -150,6 +149,8 @@ async def measure(loaded, backend, streams: int, tokens: int, salt: int) -> list
     engine.stop()
     await task
     engine_module.sample, compute_thread.run_async = SAMPLE, RUN_ASYNC
+    del backend.build_batch, backend.forward  # the backend's own methods again, for the next round
+    backend.native.phase_seconds = None
     return [split(step, step.get("native", 0.0)) | {"wall": step["wall"]} for step in spans.steps[2:]]
 
 
