@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worker/config.py); before torch loads
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # the native step's barriers spin briefly before they sleep
 
 import argparse
 import asyncio

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from protocol import SamplingParams
-from worker.sampler import SamplingState, sample
+from worker.sampler import SamplingState, greedy_tokens, sample
 
 VOCAB = 50
 
@@ -37,6 +37,25 @@ def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
 def test_greedy_is_argmax() -> None:
     logits = random_logits(4)
     assert draw(logits.clone(), [state(temperature=0)] * 4) == logits.argmax(-1).tolist()
+
+
+def test_greedy_tokens_are_torchs_argmax_ties_infinities_nans_and_views_included() -> None:
+    generator = torch.Generator().manual_seed(1)
+    special = torch.randn(5, VOCAB, generator=generator)
+    special[0] = 0.0  # all tied: the first
+    special[1] = float("-inf")
+    special[2, [3, 9]] = float("nan")  # the first NaN, as torch
+    special[3, [4, 8]] = float("inf")
+    special[4, [7, 11]] = special[4].max() + 1  # a tie for the maximum
+    cases = [
+        special,
+        torch.randint(0, 3, (64, 1000), generator=generator).float(),  # many ties
+        torch.randn(16, 151_936 + 16, generator=generator)[:, :151_936],  # a strided view, a real vocabulary
+    ]
+    for logits in cases:
+        with torch.inference_mode():
+            tokens = greedy_tokens(logits)
+        assert tokens.dtype == torch.int64 and torch.equal(tokens, logits.argmax(dim=-1))
 
 
 def test_top_k_1_and_tiny_top_p_pick_the_argmax() -> None:
