@@ -5,9 +5,10 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 # pytest-xdist processes for make test and test-fast: most tests wait on processes, Redis and deadlines rather than
-# compute, so two side by side overlap those waits (docs/benchmarks.md, "The test suite's time"; TEST_PROCESSES=0: one)
+# compute, so two side by side overlap those waits; the process-level tests (tests/system/) are one group, run in one
+# of them (tests/conftest.py). docs/benchmarks.md, "The test suite's time"; TEST_PROCESSES=0: one process.
 TEST_PROCESSES ?= 2
-PYTEST := $(BIN)/pytest -q -n $(TEST_PROCESSES) --dist loadscope
+PYTEST := $(BIN)/pytest -q -n $(TEST_PROCESSES) --dist loadgroup
 
 .PHONY: install system-deps serve test test-fast test-long lint bench soak clean
 

@@ -29,10 +29,14 @@ SYSTEM_DIR = pathlib.Path(__file__).parent / "system"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test under tests/system/ starts real processes: `-m "not system"` (make test-fast) leaves them out."""
+    """Every test under tests/system/ starts real processes: `-m "not system"` (make test-fast) leaves them out.
+    Under pytest-xdist (make test: `--dist loadgroup`) they are one group, run one after another in one
+    process: two stacks of gateways, workers and Redis sets at once on 2 cores pushed claim times and
+    takeovers past what their tests are about."""
     for item in items:
         if SYSTEM_DIR in item.path.parents:
             item.add_marker(pytest.mark.system)
+            item.add_marker(pytest.mark.xdist_group("system"))
 
 
 async def _flushed(url: str) -> str:

@@ -174,8 +174,9 @@ async def _sse_data(response: aiohttp.ClientResponse):
 
 async def send_foreign(target: Target, prompt: str, reply_prefix: str = "soak:reply:") -> Answer:
     """A request XADDed as docs/protocol.md describes, its events read from a reply stream of our own
-    (which we delete afterwards). Redis faults are retried: the stream is durable. Each delta must
-    start where the previous ended (a gap or an overlap is a wrong answer, not an error)."""
+    (which we delete afterwards). Redis faults are retried: the stream is durable. Events are taken as
+    docs/protocol.md tells a producer to: one whose `seq` was seen, or a delta below the tokens taken
+    (a re-run repeating them), is dropped; a delta past them is a gap, a wrong answer, not an error."""
     request_id = uuid.uuid4().hex
     reply_key = f"{reply_prefix}{request_id}"
     request = {
@@ -192,14 +193,17 @@ async def send_foreign(target: Target, prompt: str, reply_prefix: str = "soak:re
     if not await _retrying(lambda: target.redis.xadd(target.request_stream, {"msg": msgpack.packb(request)}), deadline):
         answer.error = "could not enqueue: Redis unreachable"
         return answer
-    last_id, streamed, got = "0-0", 0, answer.choice(0)
+    last_id, last_seq, streamed, got = "0-0", -1, 0, answer.choice(0)
     while time.monotonic() < deadline and not (answer.complete or answer.error):
         reply = await _retrying(lambda: target.redis.xread({reply_key: last_id}, block=1000), deadline)
         for _, entries in reply or []:
             for last_id, fields in entries:  # noqa: B007
                 event = msgpack.unpackb(fields[b"msg"])
+                if event["seq"] <= last_seq or (event["type"] == "delta" and event["offset"] < streamed):
+                    continue  # had it: sent again (at least once), or repeated by a re-run
+                last_seq = event["seq"]
                 if event["type"] == "delta":
-                    if event["offset"] != streamed:
+                    if event["offset"] > streamed:
                         got.text += f"<gap: offset {event['offset']} after {streamed}>"
                     streamed = event["offset"] + len(event["token_ids"])
                     got.text += event["text"]

@@ -142,9 +142,11 @@ class Driver:
         self.owner = record.get("owner", "")
         self.cursor, self.tokens, self.thinking = "0-0", 0, Thinking()
         self.order = StreamOrder(self.gateway.config.resume_timeout)
-        self.unasked = "entry" in record  # enqueued by an earlier driver, or before an outage
         builder = rebuild(self.id, record)
         self.written = await self.store.written(self.id)
+        # Driven before (by a gateway that stopped, or by this one before an outage): it wrote the start.
+        # Its first driver asks nothing, or the worker would write again what it wrote, maybe after the end.
+        self.unasked = "entry" in record and self.written > 0
         await self._emit(builder.start(queued=True))
         while await self._held():
             self.reconnected = False

@@ -156,3 +156,26 @@ async def test_a_background_response_whose_end_lost_its_reply_is_charged_to_its_
         done = await _ended(client, (await client.responses.create(**request(), background=True)).id)
     assert cut == [done.id] and done.error is None and done.usage.total_tokens > 0
     assert int(await redis_client.get(rate_limit_key(key_digest("key-a"), "tokens")) or 0) == done.usage.total_tokens
+
+
+async def test_the_driver_of_an_undisturbed_response_asks_no_resume(redis_url, tiny):
+    """Only a driver that takes a response over (or drives it again after an outage) asks its worker to
+    send again: the first one's ask would make the worker write its events again, and an answer landing
+    after the response ended would make its reply stream again, with nobody to read it."""
+    redis = aioredis.Redis.from_url(redis_url)
+    asks = redis.pubsub()
+    await asks.subscribe(protocol.resume.RESUME_CHANNEL)
+    try:
+        async with real_worker(redis_url, slow(tiny, 0.05)), running_gateway(redis_url) as url:
+            client = sdk(url)
+            response = await client.responses.create(**request(), background=True)
+            done = await _ended(client, response.id)
+        heard = []
+        for _ in range(20):  # what the subscription holds (a None is also the subscribe confirmation)
+            if (message := await asks.get_message(ignore_subscribe_messages=True, timeout=0.05)) is not None:
+                heard.append(message["data"])
+    finally:
+        await asks.aclose()
+        await redis.aclose()
+    assert done.status == "incomplete" and done.error is None
+    assert heard == [], "the response's own driver asked a resume"
