@@ -102,6 +102,7 @@ class Publisher:
         self._wakeup = asyncio.Event()
         self._sent = asyncio.Event()
         self._sending = False
+        self._in_flight: set[EntryRef] = set()  # entries of the writes being sent (retried while Redis is down)
 
     # ------------------------------------------------------------ writes (synchronous, never block)
 
@@ -155,14 +156,19 @@ class Publisher:
             await self._wakeup.wait()
             self._wakeup.clear()
             writes, self._pending = self._pending, {}
-            self._sending = True
+            self._sending, self._in_flight = True, set(writes)
             try:
                 if writes:
                     await self._send(writes)
             finally:
-                self._sending = False
+                self._sending, self._in_flight = False, set()
             if not self._pending:
                 self._sent.set()
+
+    def writing(self, entry: EntryRef) -> bool:
+        """Whether writes of `entry` are queued or on their way: until they land (they acknowledge it
+        with the request's end), the entry is still this worker's, whatever the engine did with it."""
+        return entry in self._pending or entry in self._in_flight
 
     async def flush(self) -> None:
         """Wait until everything added so far is written (the `run` task must be running)."""

@@ -337,10 +337,11 @@ class Worker:
     # ------------------------------------------------------------ from entry to engine
 
     async def _admit(self, entry: Entry, *, claimed: bool) -> None:
-        if claimed and self._running_entry(entry.ref):
+        if claimed and (self._running_entry(entry.ref) or self.publisher.writing(entry.ref)):
             # Claimed back from ourselves (XAUTOCLAIM does not skip the caller's own entries: we stalled
-            # past the claim time); it runs here already, and the claim only made it ours again.
-            log.info("entry %s claimed back while running here: it goes on", entry.ref)
+            # past the claim time, or Redis refused our writes and keeps): it runs here already, or its
+            # last writes are on their way and end it; the claim only made it ours again.
+            log.info("entry %s claimed back while running or being written here: it goes on", entry.ref)
             return
         raw = entry.fields.get(b"msg", b"")
         try:

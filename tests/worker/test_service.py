@@ -259,3 +259,33 @@ async def test_a_worker_that_claims_back_an_entry_it_is_running_keeps_running_it
     assert events[-1]["type"] == "done", events[-1]
     assert len(streamed_tokens(events)) == 40
     assert await redis_client.xlen(DEAD_LETTER_STREAM) == 0
+
+
+async def test_an_entry_whose_last_writes_are_still_on_their_way_is_not_run_again(tiny, redis_url, redis_client):
+    """A request the engine finished while Redis refused its writes (a cluster slot down) is no longer
+    running, but its entry stays pending until the publisher's retried writes land and acknowledge it.
+    The claim loop may take that entry back first (its keep loop failed through the outage too): it is
+    still this worker's, and a second run from the progress record would replace the events kept for a
+    resume (a cluster test saw the resume answered `unavailable`)."""
+    async with running_worker(worker_config(redis_url, "w1"), tiny) as worker:
+        gate, script = asyncio.Event(), worker.publisher._script
+
+        async def refused_until_the_gate_opens(*args, **kwargs):
+            await gate.wait()
+            return await script(*args, **kwargs)
+
+        worker.publisher._script = refused_until_the_gate_opens
+        entry_id = await enqueue(redis_client, chat_request("mine", max_tokens=8))
+        await wait_for(lambda: _finished_here(worker, "mine"), what="the engine's end of the request")
+        [(_, fields)] = await redis_client.xrange(STREAM, entry_id, entry_id)
+        await worker._admit(Entry(EntryRef(INTERACTIVE, entry_id), fields), claimed=True)  # the claim loop's
+        ran_again = "mine" in worker.table.running
+        gate.set()
+        events = await final_events(redis_client, "out:mine")
+    assert not ran_again, "the entry was run a second time"
+    assert [event["type"] for event in events].count("done") == 1 and len(streamed_tokens(events)) == 8
+
+
+async def _finished_here(worker, request_id: str) -> bool:
+    kept = worker.publisher.sent_events.get(request_id)
+    return kept is not None and request_id not in worker.table.running and kept.ended_at is not None
