@@ -50,6 +50,23 @@ def cli_slot_ranges(primaries: int) -> list[tuple[int, int]]:
     return ranges
 
 
+PORT_TRIES = 5
+
+
+def _start_on_free_ports(node: ClusterNode) -> None:
+    """Start a node, on two other free ports when another process bound one of its own between
+    `free_tcp_port()` and the server's bind (likelier with two test processes side by side)."""
+    for attempt in range(PORT_TRIES):
+        try:
+            node.start()
+            return
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc) or attempt == PORT_TRIES - 1:
+                raise
+            (node.data_dir / "nodes.conf").unlink(missing_ok=True)
+            node.port, node.bus_port = free_tcp_port(), free_tcp_port()
+
+
 class ClusterNode(EmbeddedRedis):
     """One primary of an `EmbeddedCluster`: an EmbeddedRedis on a TCP port with cluster mode on."""
 
@@ -135,7 +152,7 @@ class EmbeddedCluster:
     def start(self, timeout: float = 30.0) -> EmbeddedCluster:
         try:
             for node in self.nodes:
-                node.start()
+                _start_on_free_ports(node)
             for index, (node, (first, last)) in enumerate(zip(self.nodes, self.slot_ranges)):
                 with node.client() as client:
                     client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
