@@ -110,7 +110,29 @@ async def test_a_redis_restart_that_lost_reply_entries_resumes_every_item_once_w
 async def test_a_gateway_that_takes_over_reply_streams_with_holes_gets_them_filled_by_the_worker(
     kind, fresh_redis_server, tiny
 ):
-    server = fresh_redis_server(kind)
+    async def lose_the_tails_read(redis, keys: list[str], tails) -> None:
+        await _lose_tails(redis, keys, tails)  # the stopped gateway had read them; its successor has not
+
+    answers, reference = await _taken_over(fresh_redis_server(kind), tiny, lose_the_tails_read)
+    _assert_once_and_exact(answers, reference)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_gateway_that_takes_over_reply_streams_that_lost_their_ends_gets_the_tails_from_the_worker(
+    kind, fresh_redis_server, tiny
+):
+    async def lose_the_ends(redis, keys: list[str], _tails) -> None:
+        await _all_done(redis, keys)  # the worker finished every item while no gateway drove the batch
+        for key in keys:  # the writes lost: each stream's last entries, its `done` among them
+            await redis.xdel(key, *[entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]])
+
+    answers, reference = await _taken_over(fresh_redis_server(kind), tiny, lose_the_ends)
+    _assert_once_and_exact(answers, reference)
+
+
+async def _taken_over(server, tiny, lose) -> tuple[list, list]:
+    """A batch driven by gateway gw-a until mid-answer, `lose(redis, keys, tails)` played while no gateway
+    drives it, then taken over by gw-b: its answers, and those of an undisturbed batch before it."""
     redis = aioredis.Redis.from_url(server.url)
     try:
         async with real_worker(server.url, slow(tiny, 0.05), max_seqs=ITEMS):
@@ -119,12 +141,11 @@ async def test_a_gateway_that_takes_over_reply_streams_with_holes_gets_them_fill
                 reference = await _answers(client, (await create_batch(client, lines())).id)
                 batch = await create_batch(client, lines())
                 keys, tails = await _mid_answer(redis, batch.id)
-            await _lose_tails(redis, keys, tails)  # the stopped gateway had read them; its successor has not
+            await lose(redis, keys, tails)
             async with running_gateway(server.url, gateway_id="gw-b") as url:
-                answers = await _answers(openai_client(url), batch.id)
+                return await _answers(openai_client(url), batch.id), reference
     finally:
         await redis.aclose()
-    _assert_once_and_exact(answers, reference)
 
 
 async def _all_done(redis, keys: list[str]) -> None:
@@ -137,29 +158,6 @@ async def _all_done(redis, keys: list[str]) -> None:
         )
 
     await poll(ended, what="every item's done on its reply stream", interval=0.05)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-async def test_a_gateway_that_takes_over_reply_streams_that_lost_their_ends_gets_the_tails_from_the_worker(
-    kind, fresh_redis_server, tiny
-):
-    server = fresh_redis_server(kind)
-    redis = aioredis.Redis.from_url(server.url)
-    try:
-        async with real_worker(server.url, slow(tiny, 0.05), max_seqs=ITEMS):
-            async with running_gateway(server.url, gateway_id="gw-a") as url:
-                client = openai_client(url)
-                reference = await _answers(client, (await create_batch(client, lines())).id)
-                batch = await create_batch(client, lines())
-                keys, _ = await _mid_answer(redis, batch.id)
-            await _all_done(redis, keys)  # the worker finished every item while no gateway drove the batch
-            for key in keys:  # the writes lost: each stream's last entries, its `done` among them
-                await redis.xdel(key, *[entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]])
-            async with running_gateway(server.url, gateway_id="gw-b") as url:
-                answers = await _answers(openai_client(url), batch.id)
-    finally:
-        await redis.aclose()
-    _assert_once_and_exact(answers, reference)
 
 
 @pytest.mark.parametrize("kind", KINDS)
