@@ -31,8 +31,8 @@ SYSTEM_DIR = pathlib.Path(__file__).parent / "system"
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test under tests/system/ starts real processes: `-m "not system"` (make test-fast) leaves them out.
     Under pytest-xdist (make test: `--dist loadgroup`) they are one group, run one after another in one
-    process: two stacks of gateways, workers and Redis sets at once on 2 cores pushed claim times and
-    takeovers past what their tests are about."""
+    process: one stack of gateways, workers and Redis sets at a time, beside the in-process tests, keeps
+    2 cores from running two stacks' claim times and deadlines against each other."""
     for item in items:
         if SYSTEM_DIR in item.path.parents:
             item.add_marker(pytest.mark.system)
