@@ -37,11 +37,10 @@ from collections import defaultdict
 import torch
 
 import worker.engine as engine_module
-from bench.engine.native_families import SHAPES, random_weights
+from bench.engine.native_families import SHAPES, random_weights, run_greedy
 from bench.engine.random_models import write_hf_dir
-from protocol import SamplingParams
 from worker import compute_thread
-from worker.engine import Engine, GenRequest, SeqOutput
+from worker.engine import Engine, SeqOutput
 from worker.model.loader import load_model
 from worker.runtime.native_step import PHASES
 from worker.runtime.select import select_backend
@@ -141,13 +140,7 @@ async def measure(loaded, backend, streams: int, tokens: int, salt: int) -> list
 
     engine = Engine(loaded, on_step=on_step, backend=backend)
     phases = install(engine, spans)
-    task = asyncio.create_task(engine.run())
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    for i in range(streams):
-        engine.add(GenRequest(f"r{i}", [(salt * 7919 + i * 104729 + j) % 1000 + 3 for j in range(32)], params))
-    await done.wait()
-    engine.stop()
-    await task
+    await run_greedy(engine, streams, tokens, salt, done)
     engine_module.sample, compute_thread.run_async = SAMPLE, RUN_ASYNC
     del backend.build_batch, backend.forward  # the backend's own methods again, for the next round
     backend.native.phase_seconds = None

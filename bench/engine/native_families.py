@@ -112,7 +112,13 @@ async def decode_tok_s(loaded: LoadedModel, backend, streams: int, tokens: int, 
         if len(finished) == streams:
             done.set()
 
-    engine = Engine(loaded, on_step=on_step, backend=backend)
+    await run_greedy(Engine(loaded, on_step=on_step, backend=backend), streams, tokens, salt, done)
+    return counted / (last - max(firsts.values()))
+
+
+async def run_greedy(engine: Engine, streams: int, tokens: int, salt: int, done: asyncio.Event) -> None:
+    """Run `engine` on `streams` greedy requests of `tokens` tokens (32-token prompts, distinct per `salt`
+    so no round reuses another's prefix cache) until `done` is set, then stop it."""
     task = asyncio.create_task(engine.run())
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i in range(streams):
@@ -120,7 +126,6 @@ async def decode_tok_s(loaded: LoadedModel, backend, streams: int, tokens: int, 
     await done.wait()
     engine.stop()
     await task
-    return counted / (last - max(firsts.values()))
 
 
 def main() -> None:
