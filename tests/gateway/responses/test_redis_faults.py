@@ -53,21 +53,10 @@ async def _deltas(redis, key: str) -> int:
 
 
 async def test_a_gateway_that_takes_a_background_response_over_gets_the_holes_of_its_stream_filled(redis_url, tiny):
-    redis = aioredis.Redis.from_url(redis_url)
-    try:
-        async with real_worker(redis_url, slow(tiny, 0.05)):
-            async with running_gateway(redis_url, gateway_id="gw-a") as url:
-                client = sdk(url)
-                reference = await _ended(client, (await client.responses.create(**request(), background=True)).id)
-                response = await client.responses.create(**request(), background=True)
-                key = f"lmq:reply:response:{response.id}"
-                await poll(lambda: _at_least(redis, key, 4), what="the answer mid-way", interval=0.02)
-                tail = [entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]]
-            await redis.xdel(key, *tail)  # the stopped gateway had read them; its successor has not
-            async with running_gateway(redis_url, gateway_id="gw-b") as url:
-                done = await _ended(sdk(url), response.id)
-    finally:
-        await redis.aclose()
+    async def lose_the_tail_read(redis, key: str, tail: list) -> None:
+        await redis.xdel(key, *tail)  # the stopped gateway had read them; its successor has not
+
+    done, reference = await _taken_over(redis_url, tiny, lose_the_tail_read)
     assert (done.status, done.error) == (reference.status, None), done.error
     assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
 
@@ -79,6 +68,20 @@ async def _at_least(redis, key: str, deltas: int) -> bool:
 async def test_a_gateway_that_takes_over_a_finished_response_whose_stream_lost_its_end_gets_the_tail(redis_url, tiny):
     """The lost entries were the worker's last ones, `done` among them: no hole shows, so the driver
     that takes the response over asks the worker once it has read the stream to its end."""
+
+    async def lose_the_end(redis, key: str, _tail: list) -> None:
+        await poll(lambda: _has_done(redis, key), what="the worker to finish while no gateway drives it")
+        await redis.xdel(key, *[entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]])
+
+    done, reference = await _taken_over(redis_url, tiny, lose_the_end)
+    assert (done.status, done.error) == (reference.status, None), done.error
+    assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
+
+
+async def _taken_over(redis_url: str, tiny, lose):
+    """A background response driven by gateway gw-a until mid-answer (its stream's last LOST_TAIL entry ids
+    then are `tail`), `lose(redis, key, tail)` played while no gateway drives it, then taken over by gw-b:
+    how it ended, and how an undisturbed response of the same request ended before it."""
     redis = aioredis.Redis.from_url(redis_url)
     try:
         async with real_worker(redis_url, slow(tiny, 0.05)):
@@ -88,14 +91,12 @@ async def test_a_gateway_that_takes_over_a_finished_response_whose_stream_lost_i
                 response = await client.responses.create(**request(), background=True)
                 key = f"lmq:reply:response:{response.id}"
                 await poll(lambda: _at_least(redis, key, 4), what="the answer mid-way", interval=0.02)
-            await poll(lambda: _has_done(redis, key), what="the worker to finish while no gateway drives it")
-            await redis.xdel(key, *[entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]])
+                tail = [entry_id for entry_id, _ in (await redis.xrange(key))[-LOST_TAIL:]]
+            await lose(redis, key, tail)
             async with running_gateway(redis_url, gateway_id="gw-b") as url:
-                done = await _ended(sdk(url), response.id)
+                return await _ended(sdk(url), response.id), reference
     finally:
         await redis.aclose()
-    assert (done.status, done.error) == (reference.status, None), done.error
-    assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
 
 
 async def _has_done(redis, key: str) -> bool:
