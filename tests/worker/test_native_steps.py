@@ -5,7 +5,8 @@ bfloat16/int4 (tests/worker/model/test_reference.py, whose teacher forcing is on
 decode steps too. Its rows never share arithmetic; in the invariant mode (cpu_steps="invariant": every
 step on VNNI) a sequence's logits are bit-identical whatever it is batched with, however its prompt is
 chunked, and on any thread count. The default mode runs steps of AMX_FROM_ROWS rows and more on AMX
-tiles where the CPU has them: close to VNNI's, and invariant among such steps.
+tiles where the CPU has them: close to VNNI's, and invariant among such steps; elsewhere decode steps of
+INT8_FROM_ROWS rows and more on int8 x, held to the same quality bar, never a prompt's rows.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from worker.batch import PagedKV
 from worker.model.loader import LoadedModel, load_model
 from worker.native import build
 from worker.runtime.cpu_native import CpuNativeBackend
-from worker.runtime.native_step import AMX_FROM_ROWS, amx_usable
+from worker.runtime.native_step import AMX_FROM_ROWS, INT8_FROM_ROWS, amx_usable
 from worker.runtime.select import select_backend
 
 PAGE = 16
@@ -83,6 +84,26 @@ def test_native_steps_stay_close_to_float32(int4_model: CpuNativeBackend, defaul
     quality = compare(base, native)
     limits = LIMITS[("bfloat16", "int4")]
     assert quality.positions == 5 * 32 and quality.clear_positions > 100, quality
+    assert quality.mean_kl < limits.max_mean_kl, quality
+    assert quality.max_kl < limits.max_kl, quality
+    assert quality.clear_top1 >= limits.min_clear_top1, quality
+
+
+def test_decodes_on_int8_x_stay_close_to_float32(int4_model: CpuNativeBackend, default_model: LoadedModel) -> None:
+    """The int8 tier under the bar of every bfloat16/int4 step, teacher-forced: the prompt as a prompt (int16 x),
+    each reference token a decode on int8 x (forced on for the 5 cases' 5-row steps)."""
+    if _tiles_here(int4_model):
+        pytest.skip("steps of 6 rows or more run on AMX tiles on this CPU")
+    reference = load_reference()
+    base = chat_logits(default_model, reference["chat"])
+    native = int4_model.native
+    native.struct.int8_from_rows = 1
+    try:
+        decodes = _teacher_forced_decodes(int4_model, reference["chat"])
+    finally:
+        native.struct.int8_from_rows = INT8_FROM_ROWS
+    quality = compare(base, decodes)
+    limits = LIMITS[("bfloat16", "int4")]
     assert quality.mean_kl < limits.max_mean_kl, quality
     assert quality.max_kl < limits.max_kl, quality
     assert quality.clear_top1 >= limits.min_clear_top1, quality
@@ -156,7 +177,47 @@ def test_steps_on_tiles_stay_close_to_vnni_and_invariant_among_themselves(
         assert torch.equal(batched[others.index(2)], tiles[2]), len(others)
 
 
-@pytest.mark.parametrize("copies", [1, 2])  # 5 rows on VNNI; 10 on AMX tiles where the CPU has them
+def test_batched_decodes_run_on_int8_x_close_to_int16_and_invariant_among_themselves(
+    int4_model: CpuNativeBackend, prefilled
+) -> None:
+    if _tiles_here(int4_model):
+        pytest.skip("steps of 6 rows or more run on AMX tiles on this CPU")
+    kv, prompts = prefilled
+    native = int4_model.native
+    assert native.struct.int8_from_rows == INT8_FROM_ROWS
+    rows = [0, 1, 2, 3, 4] * 2
+    int8 = _decode_logits(int4_model, kv, prompts, rows)
+    native.struct.int8_from_rows = 0
+    try:
+        int16 = _decode_logits(int4_model, kv, prompts, rows)
+    finally:
+        native.struct.int8_from_rows = INT8_FROM_ROWS
+    assert not torch.equal(int8, int16), "int8 x ran"
+    kl = torch.nn.functional.kl_div(int8.log_softmax(-1), int16.log_softmax(-1), log_target=True, reduction="none")
+    assert kl.sum(-1).max() < 0.02, kl.sum(-1)
+    for others in ([2, 0, 1, 3, 4, 4, 1, 0], [4, 3, 2, 1, 0] * 3 + [2]):  # 8 and 16 rows: a row's products are its own
+        batched = _decode_logits(int4_model, kv, prompts, others)
+        assert torch.equal(batched[others.index(2)], int8[2]), len(others)
+    # one row fewer: int16 x, as alone
+    assert torch.equal(_decode_logits(int4_model, kv, prompts, rows[: INT8_FROM_ROWS - 1])[2], int16[2])
+
+
+def test_a_prompt_chunk_never_runs_on_int8_x(int4_model: CpuNativeBackend, prefilled) -> None:
+    """However many rows: a prompt's last row gives the answer's first token (decoder_step.cpp says why)."""
+    _, prompts = prefilled
+    native = int4_model.native
+    kv = allocate_kv(int4_model.config, num_pages=4, page_size=PAGE, dtype=torch.bfloat16)
+    chunk = make_batch([Chunk(prompts[4][:40], 0, [0, 1, 2, 3])], PAGE)
+    with_tier = native.forward(chunk, PagedKV(k=kv.k.clone(), v=kv.v.clone()))
+    native.struct.int8_from_rows = 0
+    try:
+        without = native.forward(chunk, PagedKV(k=kv.k.clone(), v=kv.v.clone()))
+    finally:
+        native.struct.int8_from_rows = INT8_FROM_ROWS
+    assert torch.equal(with_tier, without)
+
+
+@pytest.mark.parametrize("copies", [1, 2])  # 5 rows on VNNI; 10 on AMX tiles or int8 x
 def test_native_step_writes_the_kv_and_logits_the_torch_path_would(
     int4_model: CpuNativeBackend, prefilled, copies: int
 ) -> None:

@@ -22,7 +22,11 @@
 // answer to "What is the capital of France?". vpdpwssd does half vpdpbusd's products per instruction,
 // so int16 costs ~2x int8 where the step is bound by them (16 rows: 17.7 against 10.9 ms).
 // On a CPU with AMX, steps of Model::amx_from_rows rows or more run the linears (and, with as many logit
-// rows, the head) on bfloat16 tiles instead: amx_linear.h.
+// rows, the head) on bfloat16 tiles instead: amx_linear.h. Elsewhere decode steps of Model::int8_from_rows
+// rows or more take x in int8 per 16 values on vpdpbusd (int8_linear.h): twice vpdpwssd's products an
+// instruction where many rows make the step bound by them, at ~2.7x int16's (small) KL divergence. Never
+// a prompt's rows: a prompt's last row gives the answer's first token, which a short question's near-tie
+// would flip (docs/dev/measurements.md), and a decode of one sequence stays int16 whatever its load.
 //
 // Attention reads K/V in place from the paged pool (bfloat16 [pages, page_size, kv_heads, head_dim] per
 // layer), one (sequence, KV head) at a time with its query heads together: scores, softmax, values.
@@ -46,6 +50,7 @@
 #include <vector>
 
 #include "quant_linear.h"
+#include "int8_linear.h"
 
 extern "C" {
 
@@ -80,6 +85,7 @@ struct Model {
   const float* head_scale;   // [vocab]
   int64_t amx_from_rows;     // steps of at least this many rows run their linears on AMX tiles (amx_linear.h); 0: none
   const QuantMatrix* head_blocks;  // null, or the head in its file's own blocks (head and head_scale unused then)
+  int64_t int8_from_rows;    // decode steps of at least this many rows (not on tiles) take x in int8 (int8_linear.h); 0: none
 };
 
 struct Step {
@@ -324,6 +330,10 @@ struct Buffers {
   std::vector<float> scale, sum;
   QuantizedRows quantized;  // x for VNNI, and always for the head
   bool amx;                 // this step's linears on AMX tiles
+  bool int8;                // this step's linears and head on int8 x (int8_rows)
+  std::vector<int8_t> q8;
+  std::vector<float> scale8, half_sum8;
+  Int8Rows int8_rows;
   bool own;                 // each thread encodes every row of x itself, into own[thread] (no barrier before a linear)
   std::vector<int16_t> own_q;
   std::vector<float> own_scale, own_sum, own_scratch;
@@ -333,7 +343,8 @@ struct Buffers {
   std::vector<float> bf16_sum;
   Bf16Rows bf16_rows;  // x for AMX
 
-  Buffers(const Model& m, int64_t rows, int threads) {
+  Buffers(const Model& m, const Step& s, int threads) {
+    const int64_t rows = s.rows;
     const int64_t widest = std::max({m.hidden, m.intermediate, m.heads * m.head_dim}), qkv_n = (m.heads + 2 * m.kv_heads) * m.head_dim;
     hidden.resize(rows * m.hidden);
     normed.resize(rows * widest);
@@ -348,7 +359,14 @@ struct Buffers {
     sum.resize(rows * widest / kGroup);
     quantized = QuantizedRows{q.data(), scale.data(), sum.data(), widest};
     amx = m.amx_from_rows > 0 && rows >= m.amx_from_rows;
-    own = !amx && threads > 1 && rows <= kOwnEncodeRows;
+    int8 = !amx && m.int8_from_rows > 0 && rows >= m.int8_from_rows && s.one_row_per_sequence;
+    own = !amx && !int8 && threads > 1 && rows <= kOwnEncodeRows;
+    if (int8) {
+      q8.resize(rows * widest);
+      scale8.resize(rows * widest / kHalf);
+      half_sum8.resize(rows * widest / kHalf);
+      int8_rows = Int8Rows{q8.data(), scale8.data(), half_sum8.data(), widest};
+    }
     if (own) {
       scratch_stride = rows * widest;
       own_q.resize(threads * rows * widest);
@@ -380,6 +398,8 @@ float* row_scratch(Buffers& b, int64_t r, int64_t k) {
 void encode_row(const float* x, int64_t k, Buffers& b, int64_t r) {
   if (b.amx)
     bf16_row(x, k, b.bf16_rows, r);
+  else if (b.int8)
+    quantize_row8(x, k, b.int8_rows, r);
   else
     quantize_row(x, k, linear_input(b), r);
 }
@@ -387,6 +407,8 @@ void encode_row(const float* x, int64_t k, Buffers& b, int64_t r) {
 void linear(const QuantMatrix& w, const Buffers& b, int64_t rows, float* out, bool accumulate) {
   if (b.amx)
     amx_int4_linear(w, b.bf16_rows, rows, out, accumulate);
+  else if (b.int8)
+    quant_linear(w, b.int8_rows, rows, out, accumulate);
   else
     quant_linear(w, linear_input(b), rows, out, accumulate);
 }
@@ -563,16 +585,24 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
     rms_norm(b.hidden.data() + s.logit_rows[i] * m.hidden, m.final_norm, m.hidden, m.eps, normed);
     if (head_on_tiles)
       bf16_row(normed, m.hidden, b.bf16_rows, i);
+    else if (b.int8)  // a decode step: a logit row a step row
+      quantize_row8(normed, m.hidden, b.int8_rows, i);
     else
       quantize_row(normed, m.hidden, b.quantized, i);
   }
 #pragma omp barrier
+  auto head = [&](const auto& x) {
+    if (m.head_blocks)
+      quant_linear(*m.head_blocks, x, s.logit_count, s.logits, false);
+    else
+      int8_head(m.head, m.head_scale, m.hidden, m.vocab, x, s.logit_count, s.logits);
+  };
   if (head_on_tiles)
     amx_head(m, b.bf16_rows, s.logit_count, s.logits);
-  else if (m.head_blocks)
-    quant_linear(*m.head_blocks, b.quantized, s.logit_count, s.logits, false);
+  else if (b.int8)
+    head(b.int8_rows);
   else
-    int8_head(m.head, m.head_scale, m.hidden, m.vocab, b.quantized, s.logit_count, s.logits);
+    head(b.quantized);
 #pragma omp barrier
   clock.mark(9);
   if (b.amx) _tile_release();
@@ -597,7 +627,7 @@ int lmq_step(const Model* model, const Step* step, int threads) {
   }
   if (m.head_blocks && (!known_format(*m.head_blocks) || m.head_blocks->k != m.hidden || total_rows(*m.head_blocks) != m.vocab)) return 2;
   const double started = omp_get_wtime();
-  Buffers buffers(m, s.rows, threads);
+  Buffers buffers(m, s, threads);
   prepare_rows(m, s, buffers);
   if (s.phase_seconds) s.phase_seconds[0] += omp_get_wtime() - started;
   if (threads <= 1) {

@@ -60,6 +60,8 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockN = 16;
 constexpr int kMaxRows = 8;  // a tile of at most this many x rows keeps its accumulators in registers, beside 16 weight vectors
+template <typename Rows>
+constexpr int kRegisterRows = kMaxRows;  // per kind of x: int8_linear.h's quads are 8 vectors, not 16, and leave room for 16
 constexpr int kInt4GroupBytes = kGroup * kBlockN / 2;  // a group of a block: 4 vectors
 constexpr int64_t kPrefetchBytes = 4096;
 
@@ -172,6 +174,38 @@ inline __m512 load_scales(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cv
 
 constexpr int64_t kSuperGroups = 256 / kGroup;  // groups of x per K-quant super-block
 
+// A block's weight scales a and mins m per group, as the packed matrix holds them: fp16 or float32, or a
+// K-quant's 8-bit sc (mn) times its super-block's fp16 d (dmin, negated), as the loader multiplies them.
+// Scale: the type of a and m (uint16_t: fp16); Group: the weights' group (32, or 16 with no mins).
+template <int Bits, typename Scale, int Group, bool Derived>
+struct BlockScales {
+  static constexpr bool kMins = Bits < 6 && !Derived;
+  static constexpr bool kSuper = sizeof(Scale) == 1;
+  const Scale* scales;
+  const Scale* mins;
+  const uint16_t* super_scales;
+  const uint16_t* super_mins;
+
+  BlockScales(const QuantMatrix& w, int64_t block) {
+    const int64_t groups = w.k / kGroup;
+    scales = static_cast<const Scale*>(w.scales) + block * groups * (kGroup / Group) * kBlockN;
+    mins = kMins ? static_cast<const Scale*>(w.mins) + block * groups * kBlockN : nullptr;
+    super_scales = kSuper ? w.super_scales + block * (groups / kSuperGroups) * kBlockN : nullptr;
+    super_mins = kSuper && kMins ? w.super_mins + block * (groups / kSuperGroups) * kBlockN : nullptr;
+  }
+  // a of the block's 16 rows for weight group `at` (of Group values), which lies in x's group g (of 32)
+  __m512 scale(int64_t at, int64_t g) const {
+    const __m512 v = load_scales(scales + at * kBlockN);
+    return kSuper ? _mm512_mul_ps(load_scales(super_scales + g / kSuperGroups * kBlockN), v) : v;
+  }
+  __m512 min(int64_t g) const {
+    const __m512 v = load_scales(mins + g * kBlockN);
+    if (!kSuper) return v;
+    const __m512 product = _mm512_mul_ps(load_scales(super_mins + g / kSuperGroups * kBlockN), v);
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));  // -product
+  }
+};
+
 // ---- the linears ----
 
 // x rows [r0, r0 + rows) against one block: MR of them (rows == MR) with their accumulators in registers,
@@ -199,23 +233,8 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
   static_assert(kSub == 1 || !kMins, "groups of 16 only without mins: x's sums are per 32");
   const int64_t groups = w.k / kGroup, per_row = x.stride / kGroup;
   const uint8_t* packed = w.weights + block * groups * kBytes;
-  const Scale* scales = static_cast<const Scale*>(w.scales) + block * groups * kSub * kBlockN;
-  const Scale* mins = kMins && !Derived ? static_cast<const Scale*>(w.mins) + block * groups * kBlockN : nullptr;
+  const BlockScales<Bits, Scale, Group, Derived> weights_of(w, block);
   const __m512 m_factor = _mm512_set1_ps(static_cast<float>(w.m_factor));
-  // K-quants: the group's sc times its super-block's d (mn times dmin, negated), as the loader multiplies them.
-  constexpr bool kSuper = sizeof(Scale) == 1;
-  const uint16_t* super_scales = kSuper ? w.super_scales + block * (groups / kSuperGroups) * kBlockN : nullptr;
-  const uint16_t* super_mins = kSuper && kMins ? w.super_mins + block * (groups / kSuperGroups) * kBlockN : nullptr;
-  auto scale = [&](int64_t at, int64_t g) {
-    const __m512 v = load_scales(scales + at * kBlockN);
-    return kSuper ? _mm512_mul_ps(load_scales(super_scales + g / kSuperGroups * kBlockN), v) : v;
-  };
-  auto offset = [&](int64_t g) {
-    const __m512 v = load_scales(mins + g * kBlockN);
-    if (!kSuper) return v;
-    const __m512 product = _mm512_mul_ps(load_scales(super_mins + g / kSuperGroups * kBlockN), v);
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));  // -product
-  };
   __m512 acc[MR == kWide ? kWideRows : MR];
   each_row<MR>(rows, acc, [](int64_t, __m512& a) { a = _mm512_setzero_ps(); });
   for (int64_t g = 0; g < groups; ++g) {
@@ -224,8 +243,8 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
     __m512i weights[kGroup / 2];
     unpack<Bits>(group, weights);
     if constexpr (kSub == 1) {
-      const __m512 a = scale(g, g);
-      const __m512 m = Derived ? _mm512_mul_ps(a, m_factor) : kMins ? offset(g) : _mm512_setzero_ps();
+      const __m512 a = weights_of.scale(g, g);
+      const __m512 m = Derived ? _mm512_mul_ps(a, m_factor) : kMins ? weights_of.min(g) : _mm512_setzero_ps();
       each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) {
         const int64_t at = (r0 + r) * per_row + g;
         const __m512i dot = group_dot(weights, x.q + (r0 + r) * x.stride + g * kGroup);
@@ -233,7 +252,7 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
         if constexpr (kMins) sum = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[at]), sum);
       });
     } else {
-      const __m512 a0 = scale(2 * g, g), a1 = scale(2 * g + 1, g);
+      const __m512 a0 = weights_of.scale(2 * g, g), a1 = weights_of.scale(2 * g + 1, g);
       each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) {
         const int16_t* row = x.q + (r0 + r) * x.stride + g * kGroup;
         const __m512 d = _mm512_set1_ps(x.scale[(r0 + r) * per_row + g]);
@@ -271,29 +290,30 @@ void over_blocks(int64_t blocks, int64_t rows, F&& f) {
 // f(block, r0, tile rows, kernel) over the team's share of `blocks` column blocks, x's rows in tiles of 16:
 // each block's weights come from memory once, and each of its groups is unpacked once a tile. The
 // kernel (a std::integral_constant) is the tile's rows where they fit registers, else kWide.
-template <typename F>
+template <int MaxRows = kMaxRows, typename F>
 void over_tiles(int64_t blocks, int64_t rows, F&& f) {
   int64_t begin, end;
   share(blocks, begin, end);
   for (int64_t b = begin; b < end; ++b)
     for (int64_t r0 = 0; r0 < rows; r0 += kWideRows) {
       const int64_t tile = std::min<int64_t>(kWideRows, rows - r0);
-      if (tile > kMaxRows)
+      if (tile > MaxRows)
         f(b, r0, tile, std::integral_constant<int, kWide>{});
       else
-        with_rows<kMaxRows>(tile, [&](auto most) { f(b, r0, tile, most); });
+        with_rows<MaxRows>(tile, [&](auto most) { f(b, r0, tile, most); });
     }
 }
 
-template <int Bits, typename Scale, int Group, bool Derived = false>
-void quant_part(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
-  over_tiles(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, int64_t tile, auto most) {
+// Rows: QuantizedRows (int16 x, below) or Int8Rows (int8_linear.h); each has its own quant_block.
+template <int Bits, typename Scale, int Group, bool Derived = false, typename Rows>
+void quant_part(const QuantMatrix& w, const Rows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
+  over_tiles<kRegisterRows<Rows>>(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, int64_t tile, auto most) {
     quant_block<Bits, Scale, Group, Derived, most.value>(w, b, x, r0, tile, out, out_stride, accumulate);
   });
 }
 
-template <int Bits, int Group>
-void by_scales(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
+template <int Bits, int Group, typename Rows>
+void by_scales(const QuantMatrix& w, const Rows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
   using Sub = std::conditional_t<(Bits >= 6), int8_t, uint8_t>;  // a K-quant's sc: Q6_K's signed, Q4_K/Q5_K's 6-bit
   if constexpr (Bits < 6) {
     if (w.m_factor) return quant_part<Bits, uint16_t, Group, true>(w, x, rows, out, out_stride, accumulate);
@@ -328,7 +348,8 @@ int64_t total_rows(const QuantMatrix& w) {
 
 // out [rows, total n] (= or +=) x @ w^T, each part on its format's kernel, the team splitting each part's
 // column blocks (parts write disjoint columns: no barrier between them).
-void quant_linear(const QuantMatrix& w, const QuantizedRows& x, int64_t rows, float* out, bool accumulate) {
+template <typename Rows>
+void quant_linear(const QuantMatrix& w, const Rows& x, int64_t rows, float* out, bool accumulate) {
   const int64_t stride = total_rows(w);
   int64_t column = 0;
   for (const QuantMatrix* part = &w; part; column += part->n, part = part->next) {
@@ -368,8 +389,9 @@ void int8_block(const int8_t* head, const float* head_scale, int64_t hidden, int
 }
 
 // logits [rows, vocab] = x @ head^T, head int8 per row [vocab / 16, hidden / 2, 16, 2] with scales [vocab].
-void int8_head(const int8_t* head, const float* head_scale, int64_t hidden, int64_t vocab, const QuantizedRows& x, int64_t rows, float* out) {
-  over_tiles(vocab / kBlockN, rows, [&](int64_t b, int64_t r0, int64_t tile, auto most) {
+template <typename Rows>
+void int8_head(const int8_t* head, const float* head_scale, int64_t hidden, int64_t vocab, const Rows& x, int64_t rows, float* out) {
+  over_tiles<kRegisterRows<Rows>>(vocab / kBlockN, rows, [&](int64_t b, int64_t r0, int64_t tile, auto most) {
     int8_block<most.value>(head, head_scale, hidden, vocab, b, x, r0, tile, out);
   });
 }

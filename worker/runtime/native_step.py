@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 # costs about the same for 1 row as for 16, VNNI's grow with the rows: the crossover measured in
 # docs/dev/measurements.md ("The native step's linears, second pass").
 AMX_FROM_ROWS = 6
+# Decode steps of this many sequences or more take x in int8 on vpdpbusd where they do not run on tiles
+# (worker/native/int8_linear.h): from here on int8's products pay for x's rounding (docs/benchmarks.md,
+# "int8 activations for batched decodes").
+INT8_FROM_ROWS = 8
 PHASES = ("embedding, rope tables", "norms + quantizing x", "q/k/v", "rope + K/V write", "attention", "o_proj (+ quantizing)",
           "gate/up", "activation (+ quantizing)", "down", "final norm + head")  # fmt: skip
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # the .cpp's Model::activation
@@ -73,6 +77,7 @@ class ModelStruct(ctypes.Structure):
         ("attention_scale", ctypes.c_float), ("attention_softcap", ctypes.c_float), ("activation", ctypes.c_int64),
         ("embed", ctypes.c_void_p), ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
         ("head_scale", ctypes.c_void_p), ("amx_from_rows", ctypes.c_int64), ("head_blocks", ctypes.c_void_p),
+        ("int8_from_rows", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -266,6 +271,7 @@ class NativeSteps:
         threads: int,
         max_rows: int | None = None,
         amx_from_rows: int = 0,
+        int8_from_rows: int = 0,
     ) -> None:
         form = model_form(model)
         if isinstance(form, str):
@@ -307,7 +313,7 @@ class NativeSteps:
             final_norm=self._pointer(model.norm.weight.float().contiguous()),
             head=self._optional_pointer(head_q), head_scale=self._optional_pointer(head_scale),
             amx_from_rows=amx_from_rows,
-            head_blocks=None if head_matrix is None else ctypes.addressof(head_matrix),
+            head_blocks=None if head_matrix is None else ctypes.addressof(head_matrix), int8_from_rows=int8_from_rows,
         )  # fmt: skip
         library.lmq_step.argtypes = [ctypes.POINTER(ModelStruct), ctypes.POINTER(StepStruct), ctypes.c_int]
         library.lmq_step.restype = ctypes.c_int
@@ -321,15 +327,20 @@ class NativeSteps:
     def build(
         cls, model: torch.nn.Module, checkpoint: Checkpoint, threads: int, max_rows: int | None, invariant: bool
     ) -> NativeSteps:
-        """invariant: every step native and on VNNI, whatever its size, so that a sequence's tokens do not depend
-        on what it is batched with (max_rows and AMX tiles, which change the arithmetic of large steps, off)."""
+        """invariant: every step native and on VNNI with int16 x, whatever its size, so that a sequence's tokens do
+        not depend on what it is batched with (max_rows, AMX tiles and int8 x change the arithmetic of large steps)."""
         library = build.load()
         if library is None:
             raise RuntimeError("the native library is not available")
         amx_from_rows = 0 if invariant or not amx_usable(library) else AMX_FROM_ROWS
-        steps = cls(library, model, checkpoint, threads, None if invariant else max_rows, amx_from_rows)
+        int8_from_rows = 0 if invariant else INT8_FROM_ROWS
+        steps = cls(library, model, checkpoint, threads, None if invariant else max_rows, amx_from_rows, int8_from_rows)
         limit = f" of fewer than {max_rows} tokens" if max_rows and not invariant else ""
         tiles = f", from {steps.struct.amx_from_rows} rows on AMX tiles" if steps.struct.amx_from_rows else ""
+        if int8_from_rows:
+            tiles += (
+                f", decodes of {int8_from_rows} sequences or more{' not on tiles' if tiles else ''} int8 x on vpdpbusd"
+            )
         kinds = collections.Counter(f.split(" as ")[0] for f in steps.formats.values())
         weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
         log.info(
