@@ -14,7 +14,9 @@ dequantization of the file's blocks.
 
 lmq feeds each chunk in steps of --step-rows tokens (fewer than the loader's dense-copy threshold), so
 the default mode runs the native step's kernels as decodes and short prompts do, not the dense path of
-long prefills.
+long prefills. A mode with a third part, `auto/auto/int8`, is the default mode as batched decodes run it:
+each chunk's unscored first half fed as a prompt (int16 x), then every scored position one decode step
+on int8 x (worker/native/int8_linear.h; the tier forced on whatever the step's rows).
 
 Beside it, llama.cpp's own figure for the same file and text: the file dequantized to F32
 (bench/harness/ggufs.py: write_f32_gguf) run by `llama-perplexity --kl-divergence-base`, then the file
@@ -50,7 +52,11 @@ BASE_MODE = "float32/none"
 # lmq's modes as `lmq serve` flags name them: the default (--dtype auto --quant auto) and --dtype float32
 # (quant auto: int4 weights, float32 activations); any dtype/quant pair can be asked for.
 MODES = ("auto/auto", "float32/auto")
-MODE_LABELS = {"auto/auto": "default (--dtype auto --quant auto)", "float32/auto": "--dtype float32"}
+MODE_LABELS = {
+    "auto/auto": "default (--dtype auto --quant auto)",
+    "float32/auto": "--dtype float32",
+    "auto/auto/int8": "default, batched decodes (int8 x on vpdpbusd)",
+}
 CLEAR_MARGIN = 0.5  # logits between float32's best and second-best token: a disagreement there is an error
 PAGE_SIZE = 16
 
@@ -71,8 +77,9 @@ def scored_rows(ctx: int) -> range:
     return range(ctx // 2, ctx - 1)
 
 
-def chunk_logits(loaded, chunk: list[int], step_rows: int) -> torch.Tensor:
-    """float32 logits [len(scored_rows), vocab] of one chunk, fed in steps of step_rows tokens into a fresh pool."""
+def chunk_logits(loaded, chunk: list[int], step_rows: int, decodes: bool = False) -> torch.Tensor:
+    """float32 logits [len(scored_rows), vocab] of one chunk, fed in steps of step_rows tokens into a fresh pool
+    (decodes: the scored positions one token a step)."""
     config, ctx = loaded.config, len(chunk)
     pages = (ctx + PAGE_SIZE - 1) // PAGE_SIZE
     shape = (config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
@@ -81,8 +88,9 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int) -> torch.Tensor:
     wanted = scored_rows(ctx)
     forward = step_forward(loaded)  # the worker's step backend: the native step where it serves the mode
     parts = []
-    for start in range(0, ctx, step_rows):
-        end = min(start + step_rows, ctx)
+    first = wanted.start if decodes else ctx
+    starts = [*range(0, first, step_rows), *range(first, ctx)]
+    for start, end in zip(starts, [*starts[1:], ctx]):
         rows = [row - start for row in wanted if start <= row < end]
         batch = StepBatch(
             input_ids=torch.tensor(chunk[start:end]),
@@ -148,8 +156,11 @@ def lmq_kl(path: str | None, modes: list[str], ctx: int, step_rows: int, text: s
     from worker.model.loader import load_model
 
     def load(mode: str):
-        dtype, quant = mode.split("/")
-        return load_model(path, dtype=dtype, quant=quant, device="cpu")
+        dtype, quant, *tier = mode.split("/")
+        loaded = load_model(path, dtype=dtype, quant=quant, device="cpu")
+        if tier == ["int8"]:
+            force_int8_decodes(loaded)
+        return loaded
 
     base = load(BASE_MODE)
     bos = base.bos_token_id if _adds_bos(base) else None
@@ -168,11 +179,22 @@ def lmq_kl(path: str | None, modes: list[str], ctx: int, step_rows: int, text: s
         seconds = {BASE_MODE: time.perf_counter() - started}
         for mode, loaded in others.items():
             started = time.perf_counter()
-            stats[mode].add(base_logits, chunk_logits(loaded, chunk, step_rows), targets)
+            stats[mode].add(base_logits, chunk_logits(loaded, chunk, step_rows, mode.endswith("/int8")), targets)
             seconds[mode] = time.perf_counter() - started
         timing = ", ".join(f"{mode} {value:.1f} s" for mode, value in seconds.items())
         print(f"chunk {index + 1}/{len(windows)}: {timing}", file=sys.stderr, flush=True)
     return {"tokens": len(tokens), "chunks": len(windows), "modes": {m: s.summary() for m, s in stats.items()}}
+
+
+def force_int8_decodes(loaded) -> None:
+    """Every decode step of `loaded` on int8 x, however few its rows (the worker's tier starts at INT8_FROM_ROWS)."""
+    from bench.engine.quality import step_backend
+    from worker.runtime.cpu_native import CpuNativeBackend
+
+    backend = step_backend(loaded)
+    if not isinstance(backend, CpuNativeBackend):
+        raise SystemExit(f"int8 decodes need the native step; this mode runs on {backend.name}")
+    backend.native.struct.int8_from_rows = 1
 
 
 def _adds_bos(loaded) -> bool:

@@ -46,6 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--baseline", help="a git revision whose worker/native sources to compare with")
+    parser.add_argument("--int16", action="store_true", help="also this tree with int8 x off (every step int16 x)")
     parser.add_argument("--rows", default="1,16", help="decode rows (sequences) a step, comma-separated")
     parser.add_argument("--context", type=int, default=64, help="tokens in each sequence's cache before the step")
     parser.add_argument("--rounds", type=int, default=5)
@@ -60,9 +61,12 @@ def main() -> None:
         loaded = load_model(str(path), device="cpu")
         backend = select_backend(loaded, max_threads=torch.get_num_threads())
         assert isinstance(backend, CpuNativeBackend), "the native step does not serve this shape"
-        libraries = {"this tree": backend.native.library}
+        int8_from_rows = backend.native.struct.int8_from_rows
+        libraries = {"this tree": (backend.native.library, int8_from_rows)}
+        if args.int16:
+            libraries["int16 x"] = (backend.native.library, 0)
         if args.baseline:
-            libraries[args.baseline] = baseline_library(args.baseline, pathlib.Path(directory))
+            libraries[args.baseline] = (baseline_library(args.baseline, pathlib.Path(directory)), int8_from_rows)
         run(backend, libraries, [int(r) for r in args.rows.split(",")], args)
 
 
@@ -89,7 +93,7 @@ def run(backend: CpuNativeBackend, libraries: dict[str, ctypes.CDLL], rows_list:
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for rows in rows_list:
             for name in list(libraries) if round_ % 2 == 0 else list(libraries)[::-1]:  # each first in turn
-                native.library = libraries[name]
+                native.library, native.struct.int8_from_rows = libraries[name]
                 native.phase_seconds = phases[(name, rows)] if round_ else None
                 for _ in range(args.steps):
                     start = clock()
@@ -97,7 +101,7 @@ def run(backend: CpuNativeBackend, libraries: dict[str, ctypes.CDLL], rows_list:
                     if round_:
                         times[(name, rows)].append(clock() - start)
                 logits[(name, rows)] = out
-    native.library, native.phase_seconds = libraries["this tree"], None
+    (native.library, native.struct.int8_from_rows), native.phase_seconds = libraries["this tree"], None
     report(libraries, rows_list, times, phases, logits, args)
 
 

@@ -36,6 +36,7 @@ import torch
 
 from worker.batch import PagedKV, StepBatch
 from worker.model.loader import LoadedModel, load_model
+from worker.runtime.backend import StepBackend
 from worker.runtime.select import select_backend
 
 REFERENCE_NAME = "smollm2-greedy.json"
@@ -78,16 +79,21 @@ def teacher_forced_logits(loaded: LoadedModel, prompt_ids: Sequence[int], contin
     return step_forward(loaded)(batch, kv).float().cpu()
 
 
-_BACKENDS: dict[int, tuple[torch.nn.Module, Callable]] = {}  # id(model) -> (the model, kept alive; its forward)
+_BACKENDS: dict[int, tuple[torch.nn.Module, StepBackend]] = {}  # id(model) -> (the model, kept alive; its backend)
+
+
+def step_backend(loaded: LoadedModel) -> StepBackend:
+    """The step backend the worker would run `loaded`'s steps on (worker/runtime/select.py), the native step
+    included where it serves the mode, built once per model."""
+    key = id(loaded.model)
+    if key not in _BACKENDS or _BACKENDS[key][0] is not loaded.model:
+        _BACKENDS[key] = (loaded.model, select_backend(loaded, max_threads=torch.get_num_threads()))
+    return _BACKENDS[key][1]
 
 
 def step_forward(loaded: LoadedModel) -> Callable:
-    """The forward the worker would run `loaded`'s steps with: its step backend's (worker/runtime/select.py),
-    the native step included where it serves the mode, built once per model."""
-    key = id(loaded.model)
-    if key not in _BACKENDS or _BACKENDS[key][0] is not loaded.model:
-        _BACKENDS[key] = (loaded.model, select_backend(loaded, max_threads=torch.get_num_threads()).forward)
-    return _BACKENDS[key][1]
+    """The forward of step_backend(loaded)."""
+    return step_backend(loaded).forward
 
 
 def chat_logits(loaded: LoadedModel, chats: Sequence[dict]) -> list[torch.Tensor]:
