@@ -215,6 +215,28 @@ struct Scoring {
   float scale, softcap;
 };
 
+// Key t of a sequence sits at page pages[t / ps], offset t % ps: walked page by page, never divided per key.
+struct KeyWalk {
+  const int64_t* pages;
+  int64_t ps, stride, page, offset;
+  KeyWalk(const int64_t* pages, int64_t ps, int64_t stride, int64_t t) : pages(pages), ps(ps), stride(stride), page(t / ps), offset(t % ps) {}
+  int64_t next() {  // the element offset of this key, then on to the next
+    const int64_t at = (pages[page] * ps + offset) * stride;
+    if (++offset == ps) offset = 0, ++page;
+    return at;
+  }
+};
+
+// A head's key (or value) is a few cache lines at a stride of every KV head's: a 4 KB page holds one to
+// four of a head's keys, and the hardware's stride prefetcher stops at page boundaries. So each pass asks
+// for the key kKeysAhead places on while it works on this one.
+constexpr int64_t kKeysAhead = 8;
+
+template <int64_t Bytes>
+inline void prefetch_key(const uint16_t* key) {
+  for (int64_t line = 0; line < Bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(key) + line, _MM_HINT_T0);
+}
+
 // G query heads (of one KV head, in one sequence) against keys [first, context) in one layer's pool.
 // C = head_dim / 16 and G are compile-time, so the accumulators stay in registers.
 template <int C, int G>
@@ -223,8 +245,6 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
   constexpr int64_t hd = C * 16;
   const int64_t count = context - first, padded = (count + 15) / 16 * 16;
   scores.resize(G * padded);
-  // Key t sits at page pages[t / ps], offset t % ps: walked page by page, never divided per key.
-  auto at = [&](const uint16_t* pool, int64_t page, int64_t offset) { return pool + (pages[page] * ps + offset) * token_stride; };
   __m512 query[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) query[g][c] = _mm512_loadu_ps(q + g * hd + c * 16);
@@ -234,7 +254,7 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
   alignas(64) float slots[G][16][16];
   const __m512 scale = _mm512_set1_ps(scoring.scale), cap = _mm512_set1_ps(scoring.softcap);
   const __m512 inv_cap = _mm512_set1_ps(scoring.softcap > 0.f ? 1.f / scoring.softcap : 0.f);
-  int64_t page = first / ps, offset = first % ps;
+  KeyWalk keys_at(pages, ps, token_stride, first), ahead(pages, ps, token_stride, first + kKeysAhead);
   for (int64_t t0 = 0; t0 < count; t0 += 16) {
     const int64_t keys = std::min<int64_t>(16, count - t0);
     for (int64_t j = 0; j < 16; ++j) {
@@ -242,8 +262,8 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
         for (int g = 0; g < G; ++g) _mm512_store_ps(slots[g][kSlot[j]], _mm512_setzero_ps());
         continue;
       }
-      const uint16_t* key = at(k_pool, page, offset);
-      if (++offset == ps) offset = 0, ++page;
+      if (t0 + j + kKeysAhead < count) prefetch_key<hd * 2>(k_pool + ahead.next());
+      const uint16_t* key = k_pool + keys_at.next();
       __m512 k[C];
       for (int c = 0; c < C; ++c) k[c] = load_bf16(key + c * 16);
       for (int g = 0; g < G; ++g) {
@@ -275,10 +295,11 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  page = first / ps, offset = first % ps;
+  KeyWalk values_at(pages, ps, token_stride, first), values_ahead(pages, ps, token_stride, first);
+  for (int64_t t = 0; t < std::min(kKeysAhead, count); ++t) prefetch_key<hd * 2>(v_pool + values_ahead.next());
   for (int64_t t = 0; t < count; ++t) {
-    const uint16_t* value = at(v_pool, page, offset);
-    if (++offset == ps) offset = 0, ++page;
+    if (t + kKeysAhead < count) prefetch_key<hd * 2>(v_pool + values_ahead.next());
+    const uint16_t* value = v_pool + values_at.next();
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load_bf16(value + c * 16);
     for (int g = 0; g < G; ++g) {
