@@ -47,6 +47,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--baseline", help="a git revision whose worker/native sources to compare with")
     parser.add_argument("--int16", action="store_true", help="also this tree with int8 x off (every step int16 x)")
+    parser.add_argument(
+        "--int8-from", type=int, help="decode rows from which this tree takes int8 x (the worker's: INT8_FROM_ROWS)"
+    )
     parser.add_argument("--rows", default="1,16", help="decode rows (sequences) a step, comma-separated")
     parser.add_argument("--context", type=int, default=64, help="tokens in each sequence's cache before the step")
     parser.add_argument("--rounds", type=int, default=5)
@@ -61,7 +64,7 @@ def main() -> None:
         loaded = load_model(str(path), device="cpu")
         backend = select_backend(loaded, max_threads=torch.get_num_threads())
         assert isinstance(backend, CpuNativeBackend), "the native step does not serve this shape"
-        int8_from_rows = backend.native.struct.int8_from_rows
+        int8_from_rows = backend.native.struct.int8_from_rows if args.int8_from is None else args.int8_from
         libraries = {"this tree": (backend.native.library, int8_from_rows)}
         if args.int16:
             libraries["int16 x"] = (backend.native.library, 0)

@@ -215,18 +215,22 @@ def main(argv: list[str] | None = None) -> int:
             slug = "shape-" + "".join(c if c.isalnum() else "-" for c in path.stem.lower())
             runs = measure(alternation, slug, levels, args)
         rows += level_rows(label, runs, ceilings)
-        commands += started + alternation.commands
+        commands += [command.replace(f"{ROOT}/", "") for command in started + alternation.commands]
         print(format_rows(rows), flush=True)
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "shapes.json").write_text(json.dumps({"rows": rows, "ceilings": vars(machine_ceilings)}, indent=2))
-    section = render(rows, machine_ceilings, commands, load_before, args)
+    (args.results / "shapes.json").write_text(
+        json.dumps({"rows": rows, "ceilings": vars(machine_ceilings), "commands": commands}, indent=2)
+    )
+    section = render(rows, machine_ceilings, argv if argv is not None else sys.argv[1:], load_before, args)
     document = args.doc.read_text() if args.doc.exists() else "# Models\n"
     args.doc.write_text(report.replace_section(document, section, BEGIN, END))
     print(f"\nwrote {args.doc}")
     return 0
 
 
-def render(rows: list[dict], ceilings: roofline.Ceilings, commands: list[str], load: float, args) -> str:
+def render(rows: list[dict], ceilings: roofline.Ceilings, argv: list[str], load: float, args) -> str:
+    """The doc's section: the figures and the one command that measures them again (every server's and
+    client's own command line is in shapes.json)."""
     from bench.engine.quality import cpu_model
 
     return "\n".join([
@@ -243,11 +247,8 @@ def render(rows: list[dict], ceilings: roofline.Ceilings, commands: list[str], l
         "",
         format_rows(rows),
         "",
-        "Commands:",
-        "",
-        "```",
-        *commands,
-        "```",
+        f"Measured with `.venv/bin/python bench/service/shapes.py {' '.join(argv)}`".rstrip() + "; each server's and "
+        "client's command line is in bench/results/shapes.json.",
     ])  # fmt: skip
 
 

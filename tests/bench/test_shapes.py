@@ -48,12 +48,14 @@ def test_the_two_llama_server_settings():
     assert passive[passive.index("--binary") + 1] == "/bin/llama-server"
 
 
-def test_the_section_names_the_machine_its_load_and_the_commands():
+def test_the_section_names_the_machine_its_load_and_the_command_that_measured_it():
     from bench.harness.roofline import Ceilings
 
     ceilings = Ceilings(threads=2, read_bytes_s_1_thread=3e10, read_bytes_s_all_threads=3e10)
     args = argparse.Namespace(threads=2, max_tokens=64, requests=4, rounds=1)
     rows = shapes.level_rows("qwen3", RUNS, CEILINGS)
-    section = shapes.render(rows, ceilings, ["lmq serve --model m.gguf"], 7.5, args)
+    section = shapes.render(rows, ceilings, ["--shapes", "qwen3-0.6b", "--levels", "1,16"], 7.5, args)
     assert "load average when the run began: 7.50" in section and "30 GB/s (1 thread)" in section
-    assert shapes.format_rows(rows) in section and "lmq serve --model m.gguf" in section
+    assert shapes.format_rows(rows) in section
+    assert "`.venv/bin/python bench/service/shapes.py --shapes qwen3-0.6b --levels 1,16`" in section
+    assert str(shapes.ROOT) not in section  # the doc names no path of one machine

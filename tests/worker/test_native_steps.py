@@ -217,7 +217,7 @@ def test_a_prompt_chunk_never_runs_on_int8_x(int4_model: CpuNativeBackend, prefi
     assert torch.equal(with_tier, without)
 
 
-@pytest.mark.parametrize("copies", [1, 2])  # 5 rows on VNNI; 10 on AMX tiles or int8 x
+@pytest.mark.parametrize("copies", [1, 2])  # 5 and 10 rows: int8 x (on AMX tiles at 10 where the CPU has them)
 def test_native_step_writes_the_kv_and_logits_the_torch_path_would(
     int4_model: CpuNativeBackend, prefilled, copies: int
 ) -> None:

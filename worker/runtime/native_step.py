@@ -55,9 +55,10 @@ log = logging.getLogger(__name__)
 # docs/dev/measurements.md ("The native step's linears, second pass").
 AMX_FROM_ROWS = 6
 # Decode steps of this many sequences or more take x in int8 on vpdpbusd where they do not run on tiles
-# (worker/native/int8_linear.h): from here on int8's products pay for x's rounding (docs/benchmarks.md,
-# "int8 activations for batched decodes").
-INT8_FROM_ROWS = 8
+# (worker/native/int8_linear.h). Measured crossover (Qwen3-0.6B shape, AMD EPYC Zen 4, ms a step, int8 /
+# int16): 3 rows 18.7 / 17.9, 4 rows 19.1 / 20.7, 6 rows 24.2 / 32.5 (docs/benchmarks.md, "int8 activations
+# for batched decodes"); steps of up to 4 rows also skip a barrier per linear on int16 (kOwnEncodeRows).
+INT8_FROM_ROWS = 5
 PHASES = ("embedding, rope tables", "norms + quantizing x", "q/k/v", "rope + K/V write", "attention", "o_proj (+ quantizing)",
           "gate/up", "activation (+ quantizing)", "down", "final norm + head")  # fmt: skip
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}  # the .cpp's Model::activation
