@@ -36,7 +36,7 @@
 // normalises and quantizes all the rows for itself (into its own copy: a few microseconds, where a
 // barrier costs that much on idle cores and a scheduler slice when another process has the core),
 // and in a decode each (sequence, KV head) task rotates and writes its own K/V before attending. A row's arithmetic depends on nothing else in the step (rows never share a
-// reduction) but the kernel its step's size picks (VNNI or tiles); with tiles off (cpu_steps
+// reduction) but the kernel its step's size picks (int16 or int8 x on VNNI, or tiles); with both off (cpu_steps
 // "invariant") a sequence's tokens do not depend on what it is batched with.
 
 #include <immintrin.h>

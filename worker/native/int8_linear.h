@@ -220,12 +220,5 @@ int lmq_linear_int8(const QuantMatrix* w, const float* x, int64_t rows, float* o
 }
 
 int lmq_linear_int8(const QuantMatrix* w, const float* x, int64_t rows, float* out, int threads) {
-  if (!known_format(*w) || w->k % kGroup) return 1;
-  std::vector<int8_t> q(rows * w->k);
-  std::vector<float> scale(rows * w->k / kHalf), sum(rows * w->k / kHalf);
-  const Int8Rows quantized{q.data(), scale.data(), sum.data(), w->k};
-  for (int64_t r = 0; r < rows; ++r) quantize_row8(x + r * w->k, w->k, quantized, r);
-#pragma omp parallel num_threads(std::max(threads, 1))
-  quant_linear(*w, quantized, rows, out, false);
-  return 0;
+  return one_linear<int8_t, Int8Rows>(w, x, rows, out, threads, kHalf, quantize_row8);
 }

@@ -396,6 +396,20 @@ void int8_head(const int8_t* head, const float* head_scale, int64_t hidden, int6
   });
 }
 
+// One linear outside a step (tests, benchmarks): out [rows, total n] = x [rows, k] @ w^T, x quantized by
+// `quantize` into Rows of Q values with a scale per `per_scale` of them, as a step's kernel takes it.
+template <typename Q, typename Rows, typename Quantize>
+int one_linear(const QuantMatrix* w, const float* x, int64_t rows, float* out, int threads, int64_t per_scale, Quantize quantize) {
+  if (!known_format(*w) || w->k % kGroup) return 1;
+  std::vector<Q> q(rows * w->k);
+  std::vector<float> scale(rows * w->k / per_scale), sum(rows * w->k / per_scale);
+  const Rows quantized{q.data(), scale.data(), sum.data(), w->k};
+  for (int64_t r = 0; r < rows; ++r) quantize(x + r * w->k, w->k, quantized, r);
+#pragma omp parallel num_threads(std::max(threads, 1))
+  quant_linear(*w, quantized, rows, out, false);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -405,12 +419,5 @@ int lmq_linear(const QuantMatrix* w, const float* x, int64_t rows, float* out, i
 }
 
 int lmq_linear(const QuantMatrix* w, const float* x, int64_t rows, float* out, int threads) {
-  if (!known_format(*w) || w->k % kGroup) return 1;
-  std::vector<int16_t> q(rows * w->k);
-  std::vector<float> scale(rows * w->k / kGroup), sum(rows * w->k / kGroup);
-  const QuantizedRows quantized{q.data(), scale.data(), sum.data(), w->k};
-  for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * w->k, w->k, quantized, r);
-#pragma omp parallel num_threads(std::max(threads, 1))
-  quant_linear(*w, quantized, rows, out, false);
-  return 0;
+  return one_linear<int16_t, QuantizedRows>(w, x, rows, out, threads, kGroup, quantize_row);
 }
