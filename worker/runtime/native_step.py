@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 # costs about the same for 1 row as for 16, VNNI's grow with the rows: the crossover measured in
 # docs/dev/measurements.md ("The native step's linears, second pass").
 AMX_FROM_ROWS = 6
-# Decode steps of this many sequences or more take x in int8 on vpdpbusd where they do not run on tiles
+# Decode steps of this many sequences or more take x in int8 on vpdpbusd where no AMX tiles serve the model
 # (worker/native/int8_linear.h). Measured crossover (Qwen3-0.6B shape, AMD EPYC Zen 4, ms a step, int8 /
 # int16): 3 rows 18.7 / 17.9, 4 rows 19.1 / 20.7, 6 rows 24.2 / 32.5 (docs/benchmarks.md, "int8 activations
 # for batched decodes"); steps of up to 4 rows also skip a barrier per linear on int16 (kOwnEncodeRows).
@@ -291,6 +291,8 @@ class NativeSteps:
         if amx_from_rows and not all(f.endswith(" as int4/fp16/32") for f in self.formats.values()):
             log.info("AMX tiles off: they run int4 weights with fp16 scales only; every step on VNNI")
             amx_from_rows = 0
+        if amx_from_rows:  # the tiles serve large steps in bfloat16: no decode takes int8 x instead
+            int8_from_rows = 0
         head_blocks = head_file_blocks(checkpoint, config)
         self.head_format = "int8 per row" if head_blocks is None else kernel_format(head_blocks)
         if head_blocks is None:
@@ -338,10 +340,8 @@ class NativeSteps:
         steps = cls(library, model, checkpoint, threads, None if invariant else max_rows, amx_from_rows, int8_from_rows)
         limit = f" of fewer than {max_rows} tokens" if max_rows and not invariant else ""
         tiles = f", from {steps.struct.amx_from_rows} rows on AMX tiles" if steps.struct.amx_from_rows else ""
-        if int8_from_rows:
-            tiles += (
-                f", decodes of {int8_from_rows} sequences or more{' not on tiles' if tiles else ''} int8 x on vpdpbusd"
-            )
+        if steps.struct.int8_from_rows:
+            tiles += f", decodes of {steps.struct.int8_from_rows} sequences or more int8 x on vpdpbusd"
         kinds = collections.Counter(f.split(" as ")[0] for f in steps.formats.values())
         weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
         log.info(
