@@ -45,6 +45,9 @@ class StepBatch:
     # Whether decodes sharing leading pages may attend to them once (cascade attention): the CPU's
     # `aten` flash op only, so the step backend that builds the batch says (worker/runtime/).
     cascade: bool = True
+    # Rows that are prompt tokens (not generated ones): a prompt's last row gives the answer's first token,
+    # which the CPU's int8 activations never compute (worker/native/decoder_step.cpp).
+    prompt_rows: int = 0
 
     @property
     def is_decode_only(self) -> bool:

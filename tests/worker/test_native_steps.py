@@ -11,6 +11,8 @@ INT8_FROM_ROWS rows and more on int8 x, held to the same quality bar, never a pr
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -110,12 +112,19 @@ def test_decodes_on_int8_x_stay_close_to_float32(int4_model: CpuNativeBackend, d
 
 
 def _decode_logits(
-    backend: CpuNativeBackend, kv: PagedKV, prompts: list[list[int]], rows: list[int], threads: int | None = None
+    backend: CpuNativeBackend,
+    kv: PagedKV,
+    prompts: list[list[int]],
+    rows: list[int],
+    threads: int | None = None,
+    prompt_rows: int = 0,
 ) -> torch.Tensor:
-    """One decode step of `rows` (indices into prompts, each prefilled in its own pages) on a copy of kv."""
+    """One decode step of `rows` (indices into prompts, each prefilled in its own pages) on a copy of kv;
+    prompt_rows: how many of them the batch says are a prompt's last token (its one row this step)."""
     native = backend.native
     kv = PagedKV(k=kv.k.clone(), v=kv.v.clone())
     batch = make_batch([Chunk([7], len(prompts[r]), list(range(r * 4, r * 4 + 4))) for r in rows], PAGE)
+    batch = dataclasses.replace(batch, prompt_rows=prompt_rows)
     saved = native.threads
     native.threads = threads or saved
     try:
@@ -208,6 +217,18 @@ def test_batched_decodes_run_on_int8_x_close_to_int16_and_invariant_among_themse
     assert torch.equal(_decode_logits(int4_model, kv, prompts, rows[: INT8_FROM_ROWS - 1])[2], int16[2])
 
 
+def test_a_prompt_row_among_decodes_keeps_the_step_on_int16_x(int4_model: CpuNativeBackend, prefilled) -> None:
+    """A prompt whose one row this step is its last token (the rest cached, or its last chunk one token long)
+    is batched like a decode, but that row gives the answer's first token: the whole step stays on int16."""
+    if _tiles_here(int4_model):
+        pytest.skip("steps of 6 rows or more run on AMX tiles on this CPU")
+    kv, prompts = prefilled
+    rows = [0, 1, 2, 3, 4] * 2
+    with_a_prompt = _decode_logits(int4_model, kv, prompts, rows, prompt_rows=1)
+    assert torch.equal(with_a_prompt, _decode_logits_with(int4_model, kv, prompts, rows, int8_from_rows=0))
+    assert not torch.equal(with_a_prompt, _decode_logits(int4_model, kv, prompts, rows)), "all decodes: int8 x"
+
+
 def test_where_tiles_serve_a_model_no_decode_takes_int8_x(int4_model: CpuNativeBackend) -> None:
     """AMX tiles run its large steps in bfloat16 (closer to float32): int8 x would only trade quality there.
     Built, not run: on a CPU without tiles a step of this struct would reach for them."""
@@ -222,16 +243,18 @@ def test_where_tiles_serve_a_model_no_decode_takes_int8_x(int4_model: CpuNativeB
 
 def test_a_prompt_chunk_never_runs_on_int8_x(int4_model: CpuNativeBackend, prefilled) -> None:
     """However many rows: a prompt's last row gives the answer's first token (decoder_step.cpp says why)."""
+    if _tiles_here(int4_model):
+        pytest.skip("a chunk of 40 rows runs on AMX tiles on this CPU")
     _, prompts = prefilled
     native = int4_model.native
     kv = allocate_kv(int4_model.config, num_pages=4, page_size=PAGE, dtype=torch.bfloat16)
     chunk = make_batch([Chunk(prompts[4][:40], 0, [0, 1, 2, 3])], PAGE)
     with_tier = native.forward(chunk, PagedKV(k=kv.k.clone(), v=kv.v.clone()))
-    native.struct.int8_from_rows = 0
+    saved, native.struct.int8_from_rows = native.struct.int8_from_rows, 0
     try:
         without = native.forward(chunk, PagedKV(k=kv.k.clone(), v=kv.v.clone()))
     finally:
-        native.struct.int8_from_rows = INT8_FROM_ROWS
+        native.struct.int8_from_rows = saved
     assert torch.equal(with_tier, without)
 
 

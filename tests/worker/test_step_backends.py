@@ -127,6 +127,24 @@ def _shared_decodes(backend, page_size: int = PAGE):
     return backend.build_batch([Scheduled(seq, 1, samples=True) for seq in seqs], page_size)
 
 
+def test_the_batch_counts_its_prompt_rows(tiny) -> None:
+    """A prompt's rows, however few, are the batch's prompt rows (a prompt's last row gives the answer's first
+    token, which int8 activations never compute); a decode's row is a generated token's."""
+    from worker.scheduler import Scheduled
+
+    last_of_prompt = Sequence(id="p", token_ids=list(range(17)), num_prompt_tokens=17)  # 16 cached, 1 to feed
+    last_of_prompt.pages, last_of_prompt.num_computed = [0, 1], 16
+    decode = Sequence(id="d", token_ids=list(range(20)), num_prompt_tokens=17)  # 3 generated, the last to feed
+    decode.pages, decode.num_computed = [2, 3], 19
+    chunk = Sequence(id="c", token_ids=list(range(30)), num_prompt_tokens=30)
+    chunk.pages = [4, 5]
+    backend = CpuTorchBackend(tiny, max_threads=1)
+    decodes = backend.build_batch([Scheduled(last_of_prompt, 1, True), Scheduled(decode, 1, True)], PAGE)
+    assert decodes.is_decode_only and decodes.prompt_rows == 1
+    assert backend.build_batch([Scheduled(decode, 1, True)], PAGE).prompt_rows == 0
+    assert backend.build_batch([Scheduled(chunk, 12, False), Scheduled(decode, 1, True)], PAGE).prompt_rows == 12
+
+
 def test_only_the_cpu_backends_plan_cascade_attention(tiny) -> None:
     """The cascade path calls aten's CPU-only flash op: a CUDA step (an eager mixed step included) must
     never plan it, whatever its decodes share."""

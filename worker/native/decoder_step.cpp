@@ -105,6 +105,7 @@ struct Step {
   float* logits;  // [logit_count, vocab]
   double* phase_seconds;  // null, or [kPhases]: where the step's wall time went
   int64_t one_row_per_sequence;  // a decode step: no row attends to a key another row of the step writes
+  int64_t generated_rows_only;   // and no row is a prompt's (a one-token prompt or its last chunk): int8 x may serve it
 };
 
 int lmq_step(const Model* model, const Step* step, int threads);
@@ -380,7 +381,7 @@ struct Buffers {
     sum.resize(rows * widest / kGroup);
     quantized = QuantizedRows{q.data(), scale.data(), sum.data(), widest};
     amx = m.amx_from_rows > 0 && rows >= m.amx_from_rows;
-    int8 = !amx && m.int8_from_rows > 0 && rows >= m.int8_from_rows && s.one_row_per_sequence;
+    int8 = !amx && m.int8_from_rows > 0 && rows >= m.int8_from_rows && s.one_row_per_sequence && s.generated_rows_only;
     own = !amx && !int8 && threads > 1 && rows <= kOwnEncodeRows;
     if (int8) {
       q8.resize(rows * widest);

@@ -88,7 +88,7 @@ class StepStruct(ctypes.Structure):
                 ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p), ("layer_stride", ctypes.c_int64),
                 ("page_size", ctypes.c_int64), ("logit_rows", ctypes.c_void_p), ("logit_count", ctypes.c_int64),
                 ("logits", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p),
-                ("one_row_per_sequence", ctypes.c_int64)]  # fmt: skip
+                ("one_row_per_sequence", ctypes.c_int64), ("generated_rows_only", ctypes.c_int64)]  # fmt: skip
 
 
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -415,6 +415,7 @@ class NativeSteps:
             logit_rows=logit_rows.data_ptr(), logit_count=logit_rows.numel(), logits=logits.data_ptr(),
             phase_seconds=None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
             one_row_per_sequence=int(batch.is_decode_only),
+            generated_rows_only=int(batch.is_decode_only and batch.prompt_rows == 0),
         )  # fmt: skip
         status = self.library.lmq_step(ctypes.byref(self.struct), ctypes.byref(step), self.threads)
         if status != 0:

@@ -64,7 +64,7 @@ def float_bound(blocks: QuantBlocks, x: torch.Tensor) -> torch.Tensor:
     return 1e-5 * (x.abs().double() @ held.double().T)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9, 21])  # 9 and 21: tiles of 16 rows, accumulators in L1
+@pytest.mark.parametrize("rows", [1, 3, 9, 21])  # 21: a tile of 16 rows and one of 5, all in registers
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
 def test_int8_linear_is_the_dequantized_matmul_of_the_int8_rounded_x(qtype: QType, rows: int) -> None:
     n, k = 48, 512
