@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 TEST_PROCESSES ?= 2
 PYTEST := $(BIN)/pytest -q -n $(TEST_PROCESSES) --dist loadgroup
 
-.PHONY: install system-deps serve test test-fast test-long lint bench soak clean
+.PHONY: install system-deps serve test test-fast test-long lint native bench soak clean
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ serve: install
 system-deps:
 	bash .ci/system-deps
 
-test: install system-deps lint
+test: install system-deps lint native
 	$(PYTEST) -m "not long"
 
 # the black-box target runs of minutes: ten Redis restarts and ten Sentinel failovers in a row under 16 streams,
@@ -39,8 +39,13 @@ test-long: install
 	$(BIN)/pytest -q -m long
 
 # unit and in-process tests only, each under ~2 s (no default model, no process-level stacks, no long waits)
-test-fast: install
+test-fast: install native
 	$(PYTEST) -m "not slow and not system"
+
+# the native step compiled (~20 s, once per source) before the tests, not inside one of them beside timed tests;
+# nothing where the CPU or compiler cannot run it (worker/native/build.py)
+native: install
+	$(BIN)/python -c "from worker.native import build; build.load()"
 
 lint: install
 	$(BIN)/ruff format --check .
