@@ -179,42 +179,35 @@ def test_thread_count_does_not_change_the_logits(int4_model: CpuNativeBackend, p
         assert torch.equal(one, two), len(rows)
 
 
-def test_steps_on_tiles_stay_close_to_vnni_and_invariant_among_themselves(
-    int4_model: CpuNativeBackend, prefilled
-) -> None:
-    if not _tiles_here(int4_model):
-        pytest.skip("no AMX tiles on this CPU")
-    kv, prompts = prefilled
-    native = int4_model.native
-    assert native.struct.amx_from_rows == AMX_FROM_ROWS
-    rows = [0, 1, 2, 3, 4] * 2
-    tiles = _decode_logits(int4_model, kv, prompts, rows)
-    vnni = _decode_logits_with(int4_model, kv, prompts, rows, amx_from_rows=0)
-    assert not torch.equal(tiles, vnni), "the tiles ran"
-    assert _max_kl(vnni, tiles) < 0.02
-    for others in ([2, 0, 1, 3, 4, 4], [4, 3, 2, 1, 0] * 3 + [2]):  # 6 and 16 rows: a row's tile product is its own
-        batched = _decode_logits(int4_model, kv, prompts, others)
-        assert torch.equal(batched[others.index(2)], tiles[2]), len(others)
+# The default mode's tiers for large steps: (the struct's field, its value, whether this CPU runs it, a
+# step of its smallest size and one of 16 rows holding sequence 2).
+LARGE_STEP_TIERS = {
+    "AMX tiles": ("amx_from_rows", AMX_FROM_ROWS, True, ([2, 0, 1, 3, 4, 4], [4, 3, 2, 1, 0] * 3 + [2])),
+    "int8 x": ("int8_from_rows", INT8_FROM_ROWS, False, ([2, 0, 1, 3, 4], [4, 3, 2, 1, 0] * 3 + [2])),
+}
 
 
-def test_batched_decodes_run_on_int8_x_close_to_int16_and_invariant_among_themselves(
-    int4_model: CpuNativeBackend, prefilled
+@pytest.mark.parametrize("tier", LARGE_STEP_TIERS)
+def test_a_tier_of_large_steps_stays_close_to_int16_x_and_invariant_among_its_steps(
+    int4_model: CpuNativeBackend, prefilled, tier: str
 ) -> None:
-    if _tiles_here(int4_model):
-        pytest.skip("steps of 6 rows or more run on AMX tiles on this CPU")
+    """A 10-row decode on the tier against the same step on int16 x (the tier off): it ran, it is close, and
+    a row's logits are the same in any step of the tier (a row's products are its own)."""
+    field, value, on_tiles, others = LARGE_STEP_TIERS[tier]
+    if _tiles_here(int4_model) != on_tiles:
+        pytest.skip(f"{tier} do not serve this CPU's large steps")
     kv, prompts = prefilled
-    native = int4_model.native
-    assert native.struct.int8_from_rows == INT8_FROM_ROWS
+    assert getattr(int4_model.native.struct, field) == value
     rows = [0, 1, 2, 3, 4] * 2
-    int8 = _decode_logits(int4_model, kv, prompts, rows)
-    int16 = _decode_logits_with(int4_model, kv, prompts, rows, int8_from_rows=0)
-    assert not torch.equal(int8, int16), "int8 x ran"
-    assert _max_kl(int16, int8) < 0.02
-    for others in ([2, 0, 1, 3, 4, 4, 1, 0], [4, 3, 2, 1, 0] * 3 + [2]):  # 8 and 16 rows: a row's products are its own
-        batched = _decode_logits(int4_model, kv, prompts, others)
-        assert torch.equal(batched[others.index(2)], int8[2]), len(others)
-    # one row fewer: int16 x, as alone
-    assert torch.equal(_decode_logits(int4_model, kv, prompts, rows[: INT8_FROM_ROWS - 1])[2], int16[2])
+    on_tier = _decode_logits(int4_model, kv, prompts, rows)
+    int16 = _decode_logits_with(int4_model, kv, prompts, rows, **{field: 0})
+    assert not torch.equal(on_tier, int16), f"{tier} ran"
+    assert _max_kl(int16, on_tier) < 0.02
+    for step in others:
+        batched = _decode_logits(int4_model, kv, prompts, step)
+        assert torch.equal(batched[step.index(2)], on_tier[2]), len(step)
+    # one row fewer than the tier's: int16 x, as alone
+    assert torch.equal(_decode_logits(int4_model, kv, prompts, rows[: value - 1])[2], int16[2])
 
 
 def test_a_prompt_row_among_decodes_keeps_the_step_on_int16_x(int4_model: CpuNativeBackend, prefilled) -> None:
