@@ -148,6 +148,16 @@ inline __m512i half_dot(const __m512i* quads, const int8_t* x) {
 
 // ---- the linears on int8 x ----
 
+// Row `row`'s group g against a block's quads with x's scales applied, an offset c of a (q - c) taken out:
+// d0 s0 + d1 s1 - c d sum(qx) over the group's 32 values (s0, s1: the halves' exact int32 dots).
+inline __m512 group_product(const __m512i* quads, const Int8Rows& x, int64_t row, int64_t g, float offset) {
+  const int64_t at = row * (x.stride / kHalf) + 2 * g;
+  const int8_t* q = x.q + row * x.stride + g * kGroup;
+  const __m512 s0 = _mm512_cvtepi32_ps(half_dot<0>(quads, q)), s1 = _mm512_cvtepi32_ps(half_dot<4>(quads, q));
+  const __m512 minus_offset = _mm512_set1_ps(-offset * (x.half_sum[at] + x.half_sum[at + 1]));
+  return _mm512_fmadd_ps(s1, _mm512_set1_ps(x.scale[at + 1]), _mm512_fmadd_ps(s0, _mm512_set1_ps(x.scale[at]), minus_offset));
+}
+
 // Output columns [16 * block, +16) for x rows [r0, r0 + rows): quant_linear.h's quant_block on int8 x.
 template <int Bits, typename Scale, int Group, bool Derived, int MR>
 void quant_block(const QuantMatrix& w, int64_t block, const Int8Rows& x, int64_t r0, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
@@ -168,15 +178,14 @@ void quant_block(const QuantMatrix& w, int64_t block, const Int8Rows& x, int64_t
     const __m512 m = kMins ? weights_of.min(g) : _mm512_setzero_ps();
     each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) {
       const int64_t at = (r0 + r) * halves + 2 * g;
-      const int8_t* row = x.q + (r0 + r) * x.stride + g * kGroup;
-      const __m512 s0 = _mm512_cvtepi32_ps(half_dot<0>(quads, row)), s1 = _mm512_cvtepi32_ps(half_dot<4>(quads, row));
-      const float* d = x.scale + at;
       const float* xs = x.half_sum + at;
       if constexpr (kSub == 1) {
-        const __m512 t = _mm512_fmadd_ps(s1, _mm512_set1_ps(d[1]), _mm512_fmadd_ps(s0, _mm512_set1_ps(d[0]), _mm512_set1_ps(-offset * (xs[0] + xs[1]))));
-        sum = _mm512_fmadd_ps(t, a0, sum);
+        sum = _mm512_fmadd_ps(group_product(quads, x, r0 + r, g, offset), a0, sum);
         if constexpr (kMins) sum = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[0] + xs[1]), sum);
-      } else {
+      } else {  // a scale per half: the halves' products apart
+        const int8_t* row = x.q + (r0 + r) * x.stride + g * kGroup;
+        const __m512 s0 = _mm512_cvtepi32_ps(half_dot<0>(quads, row)), s1 = _mm512_cvtepi32_ps(half_dot<4>(quads, row));
+        const float* d = x.scale + at;
         sum = _mm512_fmadd_ps(_mm512_fmadd_ps(s0, _mm512_set1_ps(d[0]), _mm512_set1_ps(-offset * xs[0])), a0, sum);
         sum = _mm512_fmadd_ps(_mm512_fmadd_ps(s1, _mm512_set1_ps(d[1]), _mm512_set1_ps(-offset * xs[1])), a1, sum);
       }
@@ -191,7 +200,7 @@ void quant_block(const QuantMatrix& w, int64_t block, const Int8Rows& x, int64_t
 // The int8 head ([N/16, K/2, 16, 2], a scale per output row) on int8 x: quant_linear.h's int8_block.
 template <int MR>
 void int8_block(const int8_t* head, const float* head_scale, int64_t hidden, int64_t vocab, int64_t block, const Int8Rows& x, int64_t r0, int64_t rows, float* out) {
-  const int64_t groups = hidden / kGroup, halves = x.stride / kHalf;
+  const int64_t groups = hidden / kGroup;
   const uint8_t* packed = reinterpret_cast<const uint8_t*>(head + block * kBlockN * hidden);
   __m512 acc[MR == kWide ? kWideRows : MR];
   each_row<MR>(rows, acc, [](int64_t, __m512& a) { a = _mm512_setzero_ps(); });
@@ -200,13 +209,7 @@ void int8_block(const int8_t* head, const float* head_scale, int64_t hidden, int
     prefetch_group(bytes, kGroup * kBlockN);
     __m512i quads[8];
     unpack_quads<8>(bytes, quads);
-    each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) {
-      const int64_t at = (r0 + r) * halves + 2 * g;
-      const int8_t* row = x.q + (r0 + r) * x.stride + g * kGroup;
-      const __m512 s0 = _mm512_cvtepi32_ps(half_dot<0>(quads, row)), s1 = _mm512_cvtepi32_ps(half_dot<4>(quads, row));
-      const float* d = x.scale + at;
-      sum = _mm512_add_ps(sum, _mm512_fmadd_ps(s1, _mm512_set1_ps(d[1]), _mm512_fmadd_ps(s0, _mm512_set1_ps(d[0]), _mm512_set1_ps(-128.f * (x.half_sum[at] + x.half_sum[at + 1])))));
-    });
+    each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) { sum = _mm512_add_ps(sum, group_product(quads, x, r0 + r, g, 128.f)); });
   }
   const __m512 scale = _mm512_loadu_ps(head_scale + block * kBlockN);
   each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) { _mm512_storeu_ps(out + (r0 + r) * vocab + block * kBlockN, _mm512_mul_ps(sum, scale)); });
@@ -215,7 +218,7 @@ void int8_block(const int8_t* head, const float* head_scale, int64_t hidden, int
 }  // namespace
 
 extern "C" {
-// lmq_linear with x quantized as an int8 step quantizes it (tests, bench/engine/native_linear.py).
+// lmq_linear with x quantized as an int8 step quantizes it (tests/worker/model/test_native_int8.py).
 int lmq_linear_int8(const QuantMatrix* w, const float* x, int64_t rows, float* out, int threads);
 }
 
