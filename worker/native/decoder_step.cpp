@@ -148,6 +148,15 @@ inline __m512 exp512(__m512 x) {  // e^x, relative error ~1e-7; x clamped to [-8
   return _mm512_scalef_ps(p, n);
 }
 
+// The largest of row[0, count), count >= 1.
+inline float row_max(const float* row, int64_t count) {
+  __m512 top = _mm512_set1_ps(row[0]);
+  int64_t t = 0;
+  for (; t + 16 <= count; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + t));
+  if (t < count) top = _mm512_mask_max_ps(top, static_cast<__mmask16>((1u << (count - t)) - 1), top, _mm512_loadu_ps(row + t));
+  return _mm512_reduce_max_ps(top);
+}
+
 // 16 vectors -> one vector of their 16 horizontal sums (in kSlot order).
 inline __m512 reduce16(const float* slots /* [16][16] */) {
   __m512 c[8], e[4], f[2];
@@ -282,8 +291,7 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
   float inv_sum[G];
   for (int g = 0; g < G; ++g) {
     float* row = scores.data() + g * padded;
-    float top = row[0];
-    for (int64_t t = 1; t < count; ++t) top = std::max(top, row[t]);
+    const float top = row_max(row, count);
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < count; t += 16) {
       const __mmask16 live = count - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - t)) - 1);
@@ -546,8 +554,12 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
 #pragma omp barrier
   }
   clock.mark(3);
+  // A decode's tasks in contiguous shares; a prompt's dealt round the team (its later rows attend to more
+  // keys: in contiguous shares the thread with its first rows would idle, half the time for a first chunk).
   share(rows * kvh, begin, end);
-  for (int64_t task = begin; task < end; ++task) {
+  const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+  const int64_t first_task = placed_by_task ? begin : me, end_task = placed_by_task ? end : rows * kvh, stride = placed_by_task ? 1 : team;
+  for (int64_t task = first_task; task < end_task; task += stride) {
     const int64_t r = task / kvh, h = task % kvh, group = m.heads / kvh;
     if (placed_by_task) place_heads(m, s, index, b, r, h);
     attend(m, s, index, b.qkv.data() + r * qkv_n + h * group * hd, b.attention.data() + r * q_size + h * group * hd, r, h, scores);
