@@ -45,9 +45,10 @@ class StepBatch:
     # Whether decodes sharing leading pages may attend to them once (cascade attention): the CPU's
     # `aten` flash op only, so the step backend that builds the batch says (worker/runtime/).
     cascade: bool = True
-    # Rows that are prompt tokens (not generated ones): a prompt's last row gives the answer's first token,
-    # which the CPU's int8 activations never compute (worker/native/decoder_step.cpp).
-    prompt_rows: int = 0
+    # [S] whether each sequence's sampled row is its prompt's last token (the answer's first token comes
+    # from it, which the CPU's int8 activations never compute: worker/native/decoder_step.cpp); a long
+    # prompt's earlier chunks sample nothing. None (a batch built by hand): every sampled row is taken for one.
+    prompt_ends: list[bool] | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -16,7 +16,10 @@ lmq feeds each chunk in steps of --step-rows tokens (fewer than the loader's den
 the default mode runs the native step's kernels as decodes and short prompts do, not the dense path of
 long prefills. A mode with a third part, `auto/auto/int8`, is the default mode as batched decodes run it:
 each chunk's unscored first half fed as a prompt (int16 x), then every scored position one decode step
-on int8 x (worker/native/int8_linear.h; the tier forced on whatever the step's rows).
+on int8 x (worker/native/int8_linear.h; the tier forced on whatever the step's rows). `auto/auto/int8-context`
+is the default mode as a long prompt runs (worker/runtime/native_step.py: every row but the sampled one on
+int8 x): the whole chunk fed on int8 x, then each scored position, last first, one step on int16 x that
+writes its own K/V over its int8 one, so each sees int8 keys and values for every earlier position.
 
 Beside it, llama.cpp's own figure for the same file and text: the file dequantized to F32
 (bench/harness/ggufs.py: write_f32_gguf) run by `llama-perplexity --kl-divergence-base`, then the file
@@ -45,6 +48,7 @@ import torch
 
 from bench.engine.quality import step_forward
 from worker.batch import PagedKV, StepBatch
+from worker.runtime.native_step import INT8_FROM_ROWS
 
 TEXT = Path(__file__).with_name("kl_text.txt")
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +60,7 @@ MODE_LABELS = {
     "auto/auto": "default (--dtype auto --quant auto)",
     "float32/auto": "--dtype float32",
     "auto/auto/int8": "default, batched decodes (int8 x on vpdpbusd)",
+    "auto/auto/int8-context": "default, long prompts (every earlier row int8 x, the sampled row int16)",
 }
 CLEAR_MARGIN = 0.5  # logits between float32's best and second-best token: a disagreement there is an error
 PAGE_SIZE = 16
@@ -77,9 +82,11 @@ def scored_rows(ctx: int) -> range:
     return range(ctx // 2, ctx - 1)
 
 
-def chunk_logits(loaded, chunk: list[int], step_rows: int, decodes: bool = False) -> torch.Tensor:
+def chunk_logits(loaded, chunk: list[int], step_rows: int, tier: str = "") -> torch.Tensor:
     """float32 logits [len(scored_rows), vocab] of one chunk, fed in steps of step_rows tokens into a fresh pool
-    (decodes: the scored positions one token a step)."""
+    (tier "int8": the scored positions one decode a step; "int8-context": see int8_context_logits)."""
+    if tier == "int8-context":
+        return int8_context_logits(loaded, chunk, step_rows)
     config, ctx = loaded.config, len(chunk)
     pages = (ctx + PAGE_SIZE - 1) // PAGE_SIZE
     shape = (config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
@@ -88,7 +95,7 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int, decodes: bool = False
     wanted = scored_rows(ctx)
     forward = step_forward(loaded)  # the worker's step backend: the native step where it serves the mode
     parts = []
-    first = wanted.start if decodes else ctx
+    first = wanted.start if tier == "int8" else ctx
     starts = [*range(0, first, step_rows), *range(first, ctx)]
     for start, end in zip(starts, [*starts[1:], ctx]):
         rows = [row - start for row in wanted if start <= row < end]
@@ -100,11 +107,37 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int, decodes: bool = False
             context_lens=[end],
             page_tables=torch.arange(pages)[None, :],
             logits_indices=torch.tensor(rows or [end - start - 1], dtype=torch.int64),  # the engine always asks for one
+            prompt_ends=None if start < first else [False],  # a decode's row: int8 x in the int8 tier
         )
         logits = forward(batch, kv)
         if rows:
             parts.append(logits.float())
     return torch.cat(parts)
+
+
+def int8_context_logits(loaded, chunk: list[int], step_rows: int) -> torch.Tensor:
+    """As chunk_logits, with every scored position seeing int8-x keys and values for all earlier positions and
+    its own row on int16 x: the chunk fed in steps that sample nothing (int8 x from INT8_FROM_ROWS rows), then
+    the scored positions one row each, last first (a row overwrites only its own K/V, which no earlier
+    position reads)."""
+    config, ctx = loaded.config, len(chunk)
+    pages = (ctx + PAGE_SIZE - 1) // PAGE_SIZE
+    shape = (config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
+    kv = PagedKV(k=torch.zeros(shape, dtype=loaded.dtype), v=torch.zeros(shape, dtype=loaded.dtype))
+    forward = step_forward(loaded)
+
+    def step(start: int, end: int, sample: bool) -> torch.Tensor:
+        return forward(StepBatch(
+            input_ids=torch.tensor(chunk[start:end]), positions=torch.arange(start, end), slots=torch.arange(start, end),
+            query_lens=[end - start], context_lens=[end], page_tables=torch.arange(pages)[None, :],
+            logits_indices=torch.tensor([end - start - 1] if sample else [], dtype=torch.int64),
+            prompt_ends=[sample],
+        ), kv)  # fmt: skip
+
+    for start in range(0, ctx, step_rows):
+        step(start, min(start + step_rows, ctx), sample=False)
+    rows = {row: step(row, row + 1, sample=True)[0].float() for row in reversed(scored_rows(ctx))}
+    return torch.stack([rows[row] for row in scored_rows(ctx)])
 
 
 @dataclasses.dataclass
@@ -160,6 +193,10 @@ def lmq_kl(path: str | None, modes: list[str], ctx: int, step_rows: int, text: s
         loaded = load_model(path, dtype=dtype, quant=quant, device="cpu")
         if tier == ["int8"]:
             force_int8_decodes(loaded)
+        elif tier == ["int8-context"]:
+            force_int8_decodes(loaded, rows=INT8_FROM_ROWS)  # the worker's tier: sampling-free steps of 5 rows or more
+        elif tier:
+            raise SystemExit(f"unknown tier {tier[0]!r} in mode {mode!r}")
         return loaded
 
     base = load(BASE_MODE)
@@ -179,22 +216,24 @@ def lmq_kl(path: str | None, modes: list[str], ctx: int, step_rows: int, text: s
         seconds = {BASE_MODE: time.perf_counter() - started}
         for mode, loaded in others.items():
             started = time.perf_counter()
-            stats[mode].add(base_logits, chunk_logits(loaded, chunk, step_rows, mode.endswith("/int8")), targets)
+            tier = mode.split("/")[2] if mode.count("/") == 2 else ""
+            stats[mode].add(base_logits, chunk_logits(loaded, chunk, step_rows, tier), targets)
             seconds[mode] = time.perf_counter() - started
         timing = ", ".join(f"{mode} {value:.1f} s" for mode, value in seconds.items())
         print(f"chunk {index + 1}/{len(windows)}: {timing}", file=sys.stderr, flush=True)
     return {"tokens": len(tokens), "chunks": len(windows), "modes": {m: s.summary() for m, s in stats.items()}}
 
 
-def force_int8_decodes(loaded) -> None:
-    """Every decode step of `loaded` on int8 x, however few its rows (the worker's tier starts at INT8_FROM_ROWS)."""
+def force_int8_decodes(loaded, rows: int = 1) -> None:
+    """Steps of `loaded` of `rows` rows or more on int8 x where no sampled row is a prompt's (the worker's tier
+    starts at INT8_FROM_ROWS; 1: every decode step); the native step must serve the mode."""
     from bench.engine.quality import step_backend
     from worker.runtime.cpu_native import CpuNativeBackend
 
     backend = step_backend(loaded)
     if not isinstance(backend, CpuNativeBackend):
         raise SystemExit(f"int8 decodes need the native step; this mode runs on {backend.name}")
-    backend.native.struct.int8_from_rows = 1
+    backend.native.struct.int8_from_rows = rows
 
 
 def _adds_bos(loaded) -> bool:

@@ -24,17 +24,22 @@ class Chunk:
     token_ids: list[int]
     start: int
     pages: list[int]
+    samples: bool = True  # False: a long prompt's chunk short of its end, which gives no logits
 
 
 def make_batch(chunks: list[Chunk], page_size: int) -> StepBatch:
     input_ids, positions, slots, logits_indices = [], [], [], []
+    # A sampling chunk of more than one token ends a prompt (a decode is one token; a one-token prompt's
+    # last row is the caller's to declare, with dataclasses.replace).
+    prompt_ends = [chunk.samples and len(chunk.token_ids) > 1 for chunk in chunks]
     for chunk in chunks:
         for offset, token in enumerate(chunk.token_ids):
             position = chunk.start + offset
             input_ids.append(token)
             positions.append(position)
             slots.append(chunk.pages[position // page_size] * page_size + position % page_size)
-        logits_indices.append(len(input_ids) - 1)
+        if chunk.samples:
+            logits_indices.append(len(input_ids) - 1)
     max_pages = max(len(chunk.pages) for chunk in chunks)
     page_tables = [chunk.pages + [0] * (max_pages - len(chunk.pages)) for chunk in chunks]
     return StepBatch(
@@ -44,7 +49,8 @@ def make_batch(chunks: list[Chunk], page_size: int) -> StepBatch:
         query_lens=[len(chunk.token_ids) for chunk in chunks],
         context_lens=[chunk.start + len(chunk.token_ids) for chunk in chunks],
         page_tables=torch.tensor(page_tables),
-        logits_indices=torch.tensor(logits_indices),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        prompt_ends=prompt_ends,
     )
 
 

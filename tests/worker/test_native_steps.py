@@ -5,8 +5,9 @@ bfloat16/int4 (tests/worker/model/test_reference.py, whose teacher forcing is on
 decode steps too. Its rows never share arithmetic; in the invariant mode (cpu_steps="invariant": every
 step on VNNI) a sequence's logits are bit-identical whatever it is batched with, however its prompt is
 chunked, and on any thread count. The default mode runs steps of AMX_FROM_ROWS rows and more on AMX
-tiles where the CPU has them: close to VNNI's, and invariant among such steps; elsewhere decode steps of
-INT8_FROM_ROWS rows and more on int8 x, held to the same quality bar, never a prompt's rows.
+tiles where the CPU has them: close to VNNI's, and invariant among such steps; elsewhere steps of
+INT8_FROM_ROWS rows and more on int8 x (held to the same quality bar) wherever they sample no prompt's last
+row: batched decodes, a long prompt's chunks but the row that gives its first token.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from tests.support.reference_data import load_reference
 from tests.worker.model.test_reference import LIMITS
 from worker.batch import PagedKV
-from worker.model.loader import LoadedModel, load_model
+from worker.model.loader import DENSE_FROM_ROWS, LoadedModel, load_model
+from worker.model.quant_linear import TieredLinear
 from worker.native import build
 from worker.runtime.cpu_native import CpuNativeBackend
+from worker.runtime.long_prompts import LONG_PROMPT_ROWS
 from worker.runtime.native_step import AMX_FROM_ROWS, INT8_FROM_ROWS, NativeSteps, amx_usable
 from worker.runtime.select import select_backend
 
@@ -117,14 +120,14 @@ def _decode_logits(
     prompts: list[list[int]],
     rows: list[int],
     threads: int | None = None,
-    prompt_rows: int = 0,
+    prompt_ends: int = 0,
 ) -> torch.Tensor:
     """One decode step of `rows` (indices into prompts, each prefilled in its own pages) on a copy of kv;
-    prompt_rows: how many of them the batch says are a prompt's last token (its one row this step)."""
+    prompt_ends: how many of them (the first) the batch says are a prompt's last token (its one row this step)."""
     native = backend.native
     kv = PagedKV(k=kv.k.clone(), v=kv.v.clone())
     batch = make_batch([Chunk([7], len(prompts[r]), list(range(r * 4, r * 4 + 4))) for r in rows], PAGE)
-    batch = dataclasses.replace(batch, prompt_rows=prompt_rows)
+    batch = dataclasses.replace(batch, prompt_ends=[i < prompt_ends for i in range(len(rows))])
     saved = native.threads
     native.threads = threads or saved
     try:
@@ -217,7 +220,7 @@ def test_a_prompt_row_among_decodes_keeps_the_step_on_int16_x(int4_model: CpuNat
         pytest.skip("steps of 6 rows or more run on AMX tiles on this CPU")
     kv, prompts = prefilled
     rows = [0, 1, 2, 3, 4] * 2
-    with_a_prompt = _decode_logits(int4_model, kv, prompts, rows, prompt_rows=1)
+    with_a_prompt = _decode_logits(int4_model, kv, prompts, rows, prompt_ends=1)
     assert torch.equal(with_a_prompt, _decode_logits_with(int4_model, kv, prompts, rows, int8_from_rows=0))
     assert not torch.equal(with_a_prompt, _decode_logits(int4_model, kv, prompts, rows)), "all decodes: int8 x"
 
@@ -234,8 +237,9 @@ def test_where_tiles_serve_a_model_no_decode_takes_int8_x(int4_model: CpuNativeB
     assert vnni.struct.int8_from_rows == INT8_FROM_ROWS
 
 
-def test_a_prompt_chunk_never_runs_on_int8_x(int4_model: CpuNativeBackend, prefilled) -> None:
-    """However many rows: a prompt's last row gives the answer's first token (decoder_step.cpp says why)."""
+def test_a_short_prompts_last_chunk_keeps_every_row_on_int16_x(int4_model: CpuNativeBackend, prefilled) -> None:
+    """Its last row gives the answer's first token (decoder_step.cpp says why), and a short prompt's earlier rows
+    stay on int16 too (worker/runtime/long_prompts.py: near-tied short answers flip on int8 context)."""
     if _tiles_here(int4_model):
         pytest.skip("a chunk of 40 rows runs on AMX tiles on this CPU")
     _, prompts = prefilled
@@ -249,6 +253,60 @@ def test_a_prompt_chunk_never_runs_on_int8_x(int4_model: CpuNativeBackend, prefi
     finally:
         native.struct.int8_from_rows = saved
     assert torch.equal(with_tier, without)
+
+
+def test_a_chunk_that_samples_nothing_runs_on_int8_x(int4_model: CpuNativeBackend) -> None:
+    """A long prompt's earlier chunk: no row of it gives a token, so its K/V come from int8 x, close to int16's."""
+    if _tiles_here(int4_model):
+        pytest.skip("a chunk of 40 rows runs on AMX tiles on this CPU")
+    native, prompt = int4_model.native, list(range(1000, 1040))
+    chunk = make_batch([Chunk(prompt, 0, [0, 1, 2], samples=False)], PAGE)
+    on_tier, int16 = (allocate_kv(int4_model.config, num_pages=3, page_size=PAGE, dtype=torch.bfloat16) for _ in "ab")
+    assert native.forward(chunk, on_tier).shape[0] == 0
+    saved, native.struct.int8_from_rows = native.struct.int8_from_rows, 0
+    try:
+        native.forward(chunk, int16)
+    finally:
+        native.struct.int8_from_rows = saved
+    assert not torch.equal(on_tier.k, int16.k)
+    last_layer = (on_tier.v[-1].float() - int16.v[-1].float()).norm() / int16.v[-1].float().norm()
+    assert last_layer < 0.1, last_layer
+
+
+def test_a_long_prompts_last_chunk_runs_all_but_its_sampled_row_on_int8_x(int4_model: CpuNativeBackend) -> None:
+    """The step runs as two: every row but the last (int8 x, sampling nothing), then the last alone (int16 x),
+    attending to what the first wrote: the same logits and K/V as those two steps by hand, close to all-int16's."""
+    if _tiles_here(int4_model):
+        pytest.skip("long prompts run on AMX tiles on this CPU")
+    native = int4_model.native
+    prompt = torch.randint(100, 40000, (LONG_PROMPT_ROWS + 8,), generator=torch.Generator().manual_seed(5)).tolist()
+    pages = list(range(-(-len(prompt) // PAGE)))
+    split, by_hand, int16 = (allocate_kv(int4_model.config, len(pages), PAGE, torch.bfloat16) for _ in "abc")
+    logits = native.forward(make_batch([Chunk(prompt, 0, pages)], PAGE), split)
+    native.forward(make_batch([Chunk(prompt[:-1], 0, pages, samples=False)], PAGE), by_hand)
+    last = dataclasses.replace(make_batch([Chunk(prompt[-1:], len(prompt) - 1, pages)], PAGE), prompt_ends=[True])
+    assert torch.equal(logits, native.forward(last, by_hand))
+    assert torch.equal(split.k, by_hand.k) and torch.equal(split.v, by_hand.v)
+    saved, native.struct.int8_from_rows = native.struct.int8_from_rows, 0
+    try:
+        all_int16 = native.forward(make_batch([Chunk(prompt, 0, pages)], PAGE), int16)
+    finally:
+        native.struct.int8_from_rows = saved
+    assert not torch.equal(logits, all_int16), "the earlier rows ran on int8 x"
+    assert _max_kl(all_int16, logits) < 0.02 and logits.argmax() == all_int16.argmax()
+
+
+def test_without_tiles_the_native_step_serves_long_prompts_and_the_dense_copies_go() -> None:
+    """The default CPU mode packs bfloat16 copies for long prompts; on a CPU without AMX the native step's int8 x
+    is faster for them (docs/benchmarks.md), so it takes every step and the copies are let go."""
+    loaded = load_model(device="cpu")  # dtype and quant auto: the loader packs the copies
+    assert loaded.dense_from_rows == DENSE_FROM_ROWS
+    native = _native_backend(loaded).native
+    tiered = [module for module in loaded.model.modules() if isinstance(module, TieredLinear)]
+    if amx_usable(native.library):
+        assert native.max_rows == DENSE_FROM_ROWS and tiered
+    else:
+        assert native.max_rows is None and not tiered and loaded.dense_from_rows is None
 
 
 @pytest.mark.parametrize("copies", [1, 2])  # 5 and 10 rows: int8 x (on AMX tiles at 10 where the CPU has them)

@@ -127,9 +127,10 @@ def _shared_decodes(backend, page_size: int = PAGE):
     return backend.build_batch([Scheduled(seq, 1, samples=True) for seq in seqs], page_size)
 
 
-def test_the_batch_counts_its_prompt_rows(tiny) -> None:
-    """A prompt's rows, however few, are the batch's prompt rows (a prompt's last row gives the answer's first
-    token, which int8 activations never compute); a decode's row is a generated token's."""
+def test_the_batch_says_which_sampled_rows_end_a_prompt(tiny) -> None:
+    """A sampled row that is a prompt's last token, however few rows it came with, ends a prompt (it gives the
+    answer's first token, which int8 activations never compute); a decode's row, and a chunk short of its
+    prompt's end (it samples nothing), do not."""
     from worker.scheduler import Scheduled
 
     last_of_prompt = Sequence(id="p", token_ids=list(range(17)), num_prompt_tokens=17)  # 16 cached, 1 to feed
@@ -140,9 +141,12 @@ def test_the_batch_counts_its_prompt_rows(tiny) -> None:
     chunk.pages = [4, 5]
     backend = CpuTorchBackend(tiny, max_threads=1)
     decodes = backend.build_batch([Scheduled(last_of_prompt, 1, True), Scheduled(decode, 1, True)], PAGE)
-    assert decodes.is_decode_only and decodes.prompt_rows == 1
-    assert backend.build_batch([Scheduled(decode, 1, True)], PAGE).prompt_rows == 0
-    assert backend.build_batch([Scheduled(chunk, 12, False), Scheduled(decode, 1, True)], PAGE).prompt_rows == 12
+    assert decodes.is_decode_only and decodes.prompt_ends == [True, False]
+    assert backend.build_batch([Scheduled(chunk, 12, False), Scheduled(decode, 1, True)], PAGE).prompt_ends == [
+        False,
+        False,
+    ]
+    assert backend.build_batch([Scheduled(chunk, 30, True)], PAGE).prompt_ends == [True]
 
 
 def test_only_the_cpu_backends_plan_cascade_attention(tiny) -> None:

@@ -122,3 +122,15 @@ class TieredLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         return self.dense(x) if rows >= self.dense_from_rows else self.small(x)
+
+
+def drop_dense_copies(model: torch.nn.Module) -> int:
+    """Every TieredLinear in `model` replaced by its small (quantized) part, for a model whose long steps never
+    reach torch (the native step serves them); returns how many dense copies were let go."""
+    dropped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, TieredLinear):
+                setattr(parent, name, child.small)
+                dropped += 1
+    return dropped

@@ -22,11 +22,12 @@
 // answer to "What is the capital of France?". vpdpwssd does half vpdpbusd's products per instruction,
 // so int16 costs ~2x int8 where the step is bound by them (16 rows: 17.7 against 10.9 ms).
 // On a CPU with AMX, steps of Model::amx_from_rows rows or more run the linears (and, with as many logit
-// rows, the head) on bfloat16 tiles instead: amx_linear.h. Elsewhere decode steps of Model::int8_from_rows
-// rows or more take x in int8 per 16 values on vpdpbusd (int8_linear.h): twice vpdpwssd's products an
-// instruction where many rows make the step bound by them, at ~2.7x int16's (small) KL divergence. Never
-// a prompt's rows: a prompt's last row gives the answer's first token, which a short question's near-tie
-// would flip (docs/dev/measurements.md), and a decode of one sequence stays int16 whatever its load.
+// rows, the head) on bfloat16 tiles instead: amx_linear.h. Elsewhere steps of Model::int8_from_rows rows or
+// more take x in int8 per 16 values on vpdpbusd (int8_linear.h): twice vpdpwssd's products an instruction
+// where many rows make the step bound by them, at ~2.7x int16's (small) KL divergence. Never a step that
+// samples a prompt's last row (Step::sampled_prompt_rows): it gives the answer's first token, which a short
+// question's near-tie would flip (docs/dev/measurements.md). Batched decodes and a long prompt's earlier
+// rows take it (worker/runtime/long_prompts.py); a decode of one sequence stays int16 whatever its load.
 //
 // Attention reads K/V in place from the paged pool (bfloat16 [pages, page_size, kv_heads, head_dim] per
 // layer), one (sequence, KV head) at a time with its query heads together: scores, softmax, values.
@@ -85,7 +86,7 @@ struct Model {
   const float* head_scale;   // [vocab]
   int64_t amx_from_rows;     // steps of at least this many rows run their linears on AMX tiles (amx_linear.h); 0: none
   const QuantMatrix* head_blocks;  // null, or the head in its file's own blocks (head and head_scale unused then)
-  int64_t int8_from_rows;    // decode steps of at least this many rows (not on tiles) take x in int8 (int8_linear.h); 0: none
+  int64_t int8_from_rows;    // steps of at least this many rows (not on tiles, no prompt's last row sampled) take x in int8 (int8_linear.h); 0: none
 };
 
 struct Step {
@@ -105,7 +106,7 @@ struct Step {
   float* logits;  // [logit_count, vocab]
   double* phase_seconds;  // null, or [kPhases]: where the step's wall time went
   int64_t one_row_per_sequence;  // a decode step: no row attends to a key another row of the step writes
-  int64_t generated_rows_only;   // and no row is a prompt's (a one-token prompt or its last chunk): int8 x may serve it
+  int64_t sampled_prompt_rows;   // logit rows that are a prompt's last token (the answer's first): int8 x never serves them
 };
 
 int lmq_step(const Model* model, const Step* step, int threads);
@@ -389,7 +390,7 @@ struct Buffers {
     sum.resize(rows * widest / kGroup);
     quantized = QuantizedRows{q.data(), scale.data(), sum.data(), widest};
     amx = m.amx_from_rows > 0 && rows >= m.amx_from_rows;
-    int8 = !amx && m.int8_from_rows > 0 && rows >= m.int8_from_rows && s.one_row_per_sequence && s.generated_rows_only;
+    int8 = !amx && m.int8_from_rows > 0 && rows >= m.int8_from_rows && s.sampled_prompt_rows == 0;
     own = !amx && !int8 && threads > 1 && rows <= kOwnEncodeRows;
     if (int8) {
       q8.resize(rows * widest);
@@ -619,7 +620,7 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
     rms_norm(b.hidden.data() + s.logit_rows[i] * m.hidden, m.final_norm, m.hidden, m.eps, normed);
     if (head_on_tiles)
       bf16_row(normed, m.hidden, b.bf16_rows, i);
-    else if (b.int8)  // a decode step: a logit row a step row
+    else if (b.int8)  // every logit row a generated token's
       quantize_row8(normed, m.hidden, b.int8_rows, i);
     else
       quantize_row(normed, m.hidden, b.quantized, i);

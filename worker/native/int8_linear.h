@@ -2,7 +2,8 @@
 // same packed matrices, blocks and dispatch as quant_linear.h, the input rows quantized to int8 instead of
 // int16, their products on vpdpbusd (u8 weights x s8 x, 64 products an instruction) instead of vpdpwssd
 // (32). Where a step is bound by those instructions (many rows) it costs about half: the step's Model::
-// int8_from_rows says when (decoder_step.cpp: batched decodes only, never a prompt's rows).
+// int8_from_rows says when (decoder_step.cpp: batched decodes and a long prompt's earlier rows, never a
+// step that samples a prompt's last row).
 //
 // Quality: int8 per 32 values (llama.cpp's Q8_1) added more error to the default model than its int4
 // weights; per 16 it is ~2.7x int16's KL divergence to float32 (docs/dev/measurements.md), still under

@@ -123,15 +123,15 @@ def build_step_batch(
     query_lens: list[int] = []
     context_lens: list[int] = []
     logits_indices: list[int] = []
-    prompt_rows = 0
+    prompt_ends: list[bool] = []
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed
         end = start + item.num_tokens
-        prompt_rows += max(0, min(end, seq.num_prompt_tokens) - start)
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
         slots += [seq.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
         query_lens.append(item.num_tokens)
+        prompt_ends.append(item.samples and end <= seq.num_prompt_tokens)
         context_lens.append(end)
         if item.samples:
             logits_indices.append(len(input_ids) - 1)
@@ -149,5 +149,5 @@ def build_step_batch(
         page_tables=page_tables.to(device),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(device),
         cascade=cascade,
-        prompt_rows=prompt_rows,
+        prompt_ends=prompt_ends,
     )

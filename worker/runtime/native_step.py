@@ -6,9 +6,11 @@ linears (AMX bfloat16 tiles for int4 weights in steps of AMX_FROM_ROWS rows or m
 them) and attention that reads K/V straight from the paged pool. Every new token is a row: a decode is
 one row, a prompt chunk one row per token, each attending to its sequence's keys up to its own position.
 It owns a packed copy of the weights (each linear in its file's own GGUF block type, float weights as
-lmq's int4: worker/model/native_pack.py; the head in int8 per row) and serves the steps it can: fewer
-tokens than `max_rows` (where the loader keeps packed bfloat16 copies for long prompts, oneDNN's GEMM
-is faster from there on). The torch path writes the same pool, so a sequence moves between the two freely.
+lmq's int4: worker/model/native_pack.py; the head in int8 per row) and serves the steps it can: on a
+CPU with AMX, fewer tokens than `max_rows` (where the loader keeps packed bfloat16 copies for long
+prompts, oneDNN's GEMM is faster from there on), elsewhere every step. The torch path writes the same
+pool, so a sequence moves between the two freely. A step that ends a long prompt runs as two
+(worker/runtime/long_prompts.py), so that only the row giving the answer's first token stays on int16 x.
 
 Every dense family runs on the one step: `describe` reads what sets a model apart from Llama off the
 torch model the loader built (its norms, their +1 already folded in for Gemma, q/k norms, windows,
@@ -47,6 +49,7 @@ from worker.model.paged_attention import paged_attention
 from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear
 from worker.model.weights import INT4_GROUP, QuantBlocks
 from worker.native import build
+from worker.runtime.long_prompts import merge_logits, split_long_prompts
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +57,9 @@ log = logging.getLogger(__name__)
 # costs about the same for 1 row as for 16, VNNI's grow with the rows: the crossover measured in
 # docs/dev/measurements.md ("The native step's linears, second pass").
 AMX_FROM_ROWS = 6
-# Decode steps of this many sequences or more take x in int8 on vpdpbusd where no AMX tiles serve the model
-# (worker/native/int8_linear.h). Measured crossover (Qwen3-0.6B shape, AMD EPYC Zen 4, ms a step, int8 /
+# Steps of this many rows or more take x in int8 on vpdpbusd where no AMX tiles serve the model and the step
+# samples no prompt's last row: batched decodes, a long prompt's earlier rows (worker/native/int8_linear.h,
+# worker/runtime/long_prompts.py). Measured crossover for decodes (Qwen3-0.6B shape, AMD EPYC Zen 4, ms a step, int8 /
 # int16): 3 rows 18.7 / 17.9, 4 rows 19.1 / 20.7, 6 rows 24.2 / 32.5 (docs/benchmarks.md, "int8 activations
 # for batched decodes"); steps of up to 4 rows also skip a barrier per linear on int16 (kOwnEncodeRows).
 INT8_FROM_ROWS = 5
@@ -88,7 +92,7 @@ class StepStruct(ctypes.Structure):
                 ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p), ("layer_stride", ctypes.c_int64),
                 ("page_size", ctypes.c_int64), ("logit_rows", ctypes.c_void_p), ("logit_count", ctypes.c_int64),
                 ("logits", ctypes.c_void_p), ("phase_seconds", ctypes.c_void_p),
-                ("one_row_per_sequence", ctypes.c_int64), ("generated_rows_only", ctypes.c_int64)]  # fmt: skip
+                ("one_row_per_sequence", ctypes.c_int64), ("sampled_prompt_rows", ctypes.c_int64)]  # fmt: skip
 
 
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,13 +339,17 @@ class NativeSteps:
         library = build.load()
         if library is None:
             raise RuntimeError("the native library is not available")
-        amx_from_rows = 0 if invariant or not amx_usable(library) else AMX_FROM_ROWS
+        tiles_here = not invariant and amx_usable(library)
         int8_from_rows = 0 if invariant else INT8_FROM_ROWS
-        steps = cls(library, model, checkpoint, threads, None if invariant else max_rows, amx_from_rows, int8_from_rows)
-        limit = f" of fewer than {max_rows} tokens" if max_rows and not invariant else ""
+        # Long prompts: oneDNN's bfloat16 GEMM on the loader's dense copies beats the native step on a CPU with
+        # AMX; elsewhere int8 x (worker/runtime/long_prompts.py) runs them in ~0.8x its time (docs/benchmarks.md,
+        # "Long prompts on int8 activations"), so there the native step takes every step.
+        max_rows = max_rows if tiles_here else None
+        steps = cls(library, model, checkpoint, threads, max_rows, AMX_FROM_ROWS if tiles_here else 0, int8_from_rows)
+        limit = f" of fewer than {max_rows} tokens" if max_rows else ""
         tiles = f", from {steps.struct.amx_from_rows} rows on AMX tiles" if steps.struct.amx_from_rows else ""
         if steps.struct.int8_from_rows:
-            tiles += f", decodes of {steps.struct.int8_from_rows} sequences or more int8 x on vpdpbusd"
+            tiles += f", steps of {steps.struct.int8_from_rows} rows or more int8 x on vpdpbusd but a prompt's sampled row"
         kinds = collections.Counter(f.split(" as ")[0] for f in steps.formats.values())
         weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
         log.info(
@@ -396,6 +404,13 @@ class NativeSteps:
         )  # fmt: skip
 
     def forward(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:
+        split = split_long_prompts(batch) if self.struct.int8_from_rows else None
+        if split is None:
+            return self._step(batch, kv)
+        earlier = self._step(split.earlier, kv)  # first: the last rows attend to the keys it writes
+        return merge_logits(split, earlier, self._step(split.last, kv))
+
+    def _step(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:
         k, v = kv.k, kv.v
         if not (k.is_contiguous() and v.is_contiguous()):
             raise ValueError("the native step needs a contiguous KV pool")
@@ -415,7 +430,7 @@ class NativeSteps:
             logit_rows=logit_rows.data_ptr(), logit_count=logit_rows.numel(), logits=logits.data_ptr(),
             phase_seconds=None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
             one_row_per_sequence=int(batch.is_decode_only),
-            generated_rows_only=int(batch.is_decode_only and batch.prompt_rows == 0),
+            sampled_prompt_rows=logit_rows.numel() if batch.prompt_ends is None else sum(batch.prompt_ends),
         )  # fmt: skip
         status = self.library.lmq_step(ctypes.byref(self.struct), ctypes.byref(step), self.threads)
         if status != 0:

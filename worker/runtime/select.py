@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from worker.model.quant_linear import drop_dense_copies
 from worker.runtime.backend import StepBackend
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,10 @@ def select_backend(loaded, *, max_threads: int) -> StepBackend:
         from worker.runtime.native_step import NativeSteps
 
         native = NativeSteps.build(loaded.model, loaded.checkpoint, max_threads, loaded.dense_from_rows, invariant)
+        if native.max_rows is None and loaded.dense_from_rows is not None:
+            dropped = drop_dense_copies(loaded.model)  # packed before the native step serves long prompts too
+            log.info("the native step serves every step: %d dense bfloat16 copies let go", dropped)
+            loaded.dense_from_rows = None
         return CpuNativeBackend(loaded, max_threads, native)
     if invariant:
         log.warning("cpu_steps invariant: %s; torch's steps depend on the batch", reason)
