@@ -143,7 +143,7 @@ inline float quad_offset(const QuantMatrix& w) {
 template <int Q>
 inline __m512i half_dot(const __m512i* quads, const int8_t* x) {
   __m512i dot = _mm512_setzero_si512();
-  for (int i = 0; i < 4; ++i) dot = _mm512_dpbusd_epi32(dot, quads[Q + i], _mm512_broadcastd_epi32(_mm_loadu_si32(x + 4 * (Q + i))));
+  for (int i = 0; i < 4; ++i) dot = dpbusd_broadcast(dot, quads[Q + i], x + 4 * (Q + i));
   return dot;
 }
 

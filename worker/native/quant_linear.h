@@ -102,6 +102,19 @@ void quantize_row(const float* x, int64_t k, const QuantizedRows& out, int64_t r
   }
 }
 
+// dot + the products of w's int16 pairs with x's pair at `pair`, broadcast by the instruction itself: GCC
+// keeps a separate vpbroadcastd, which competes with the products for the vector pipes (AMD EPYC Zen 4:
+// a 256-row chunk's int8 linears 487 -> 446 ms, a 16-row int8 decode step 56.2 -> 52.7 ms; bit-identical).
+inline __m512i dpwssd_broadcast(__m512i dot, __m512i w, const int16_t* pair) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(dot) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(pair)));
+  return dot;
+}
+
+inline __m512i dpbusd_broadcast(__m512i dot, __m512i w, const int8_t* quad) {  // u8 w, s8 x: the same for int8 x
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(dot) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(quad)));
+  return dot;
+}
+
 // Pairs [P0, P1) of a row's group, each pair one dword broadcast to 16 lanes, dotted with the weight
 // vectors of a block (pair p of every output row) in exact int32 arithmetic. Four chains of products
 // summed at the end (the same int32 total, exactly): one chain is 16 dependent vpdpwssd, and its latency,
@@ -114,7 +127,7 @@ inline __m512i group_dot(const __m512i* weights, const int16_t* group) {
   for (int c = 0; c < kChains; ++c) dot[c] = _mm512_setzero_si512();
   for (int p = P0; p < P1; p += kChains)
     for (int c = 0; c < kChains && p + c < P1; ++c)
-      dot[c] = _mm512_dpwssd_epi32(dot[c], weights[p + c], _mm512_broadcastd_epi32(_mm_loadu_si32(group + 2 * (p + c))));
+      dot[c] = dpwssd_broadcast(dot[c], weights[p + c], group + 2 * (p + c));
   return _mm512_add_epi32(_mm512_add_epi32(dot[0], dot[1]), _mm512_add_epi32(dot[2], dot[3]));
 }
 
