@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from bench.engine import kl_text
+from worker.model.loader import load_model
+from worker.native import build
 
 # The summary lines of `llama-perplexity --kl-divergence`, in its printf formats (tools/perplexity/perplexity.cpp).
 LLAMA_OUTPUT = """
@@ -75,3 +77,19 @@ def test_the_table_puts_lmq_modes_beside_llama_cpp():
     assert lines[4].startswith("| lmq, default (--dtype auto --quant auto) | ")
     assert lines[5] == "| llama.cpp (llama-perplexity) | 0.0312 ± 0.0008 | 1.23 | 93.5% | — |"
     assert "llama.cpp's F32 file: 13.501" in table
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(build.missing_requirements() is not None, reason="the int8 modes need the native step")
+def test_the_int8_context_mode_scores_int16_rows_over_int8_keys_and_values():
+    """Each scored position's own row on int16 x, every earlier one's K/V from int8 x: not the all-int16 figure
+    (which scoring one row at a time over int16 keys would reproduce bit for bit), and close to it."""
+    loaded = load_model(device="cpu")
+    kl_text.force_int8_decodes(loaded, rows=kl_text.INT8_FROM_ROWS)
+    chunk = loaded.tokenizer.encode(kl_text.TEXT.read_text(), add_special_tokens=False).ids[:64]
+    int16 = kl_text.chunk_logits(loaded, chunk, 16)
+    context = kl_text.chunk_logits(loaded, chunk, 16, "int8-context")
+    assert context.shape == int16.shape == (len(kl_text.scored_rows(64)), loaded.config.vocab_size)
+    assert not torch.equal(context, int16)
+    log_p, log_q = int16.log_softmax(-1), context.log_softmax(-1)
+    assert float((log_p.exp() * (log_p - log_q)).sum(-1).mean()) < 0.02

@@ -349,7 +349,9 @@ class NativeSteps:
         limit = f" of fewer than {max_rows} tokens" if max_rows else ""
         tiles = f", from {steps.struct.amx_from_rows} rows on AMX tiles" if steps.struct.amx_from_rows else ""
         if steps.struct.int8_from_rows:
-            tiles += f", steps of {steps.struct.int8_from_rows} rows or more int8 x on vpdpbusd but a prompt's sampled row"
+            tiles += (
+                f", steps of {steps.struct.int8_from_rows} rows or more int8 x on vpdpbusd but a prompt's sampled row"
+            )
         kinds = collections.Counter(f.split(" as ")[0] for f in steps.formats.values())
         weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
         log.info(
