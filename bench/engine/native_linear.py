@@ -10,6 +10,7 @@ when the matrix does not fit the caches); the ratio is against Q4_0 (the int4 ke
     python -m bench.engine.native_linear                      # 2048x2048 and 8192x2048, rows 1 and 16, 1 thread
     python -m bench.engine.native_linear --shapes 8192x2048 --rows 1 --threads 2
     python -m bench.engine.native_linear --types Q4_0,Q4_1 --baseline main   # this tree's kernels beside main's
+    python -m bench.engine.native_linear --int8 --rows 16,256                 # x in int8, as batched decodes and long prompts
 
 With `--baseline REV`, each type also runs on REV's library (bench/engine/native_baseline.py), alternated
 with this tree's inside every round; the ratio column is then REV's time over this tree's on the same type
@@ -58,9 +59,9 @@ class Linear:
         self.bytes = sum(part.nbytes() for part in packed)
         self.format = kernel_format(blocks)
 
-    def run(self, library: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
-        status = library.lmq_linear(ctypes.byref(self.struct), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
-                                    ctypes.c_void_p(out.data_ptr()), threads)  # fmt: skip
+    def run(self, library: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, threads: int, entry: str) -> None:
+        status = getattr(library, entry)(ctypes.byref(self.struct), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
+                                         ctypes.c_void_p(out.data_ptr()), threads)  # fmt: skip
         assert status == 0
 
 
@@ -72,6 +73,7 @@ def measure(
     calls: int,
     types: list[QType],
     libraries: dict[str, ctypes.CDLL],
+    entry: str = "lmq_linear",
 ) -> None:
     # One thread: its own CPU time, blind to other processes taking the core (a loaded machine); more: wall time.
     clock = time.thread_time if threads == 1 else time.perf_counter
@@ -87,17 +89,17 @@ def measure(
             seconds = {(qtype, name): [] for qtype in linears for name in names}
             for linear in linears.values():
                 for name, library in libraries.items():
-                    linear.run(library, x, outs[name], threads)  # warm-up
+                    linear.run(library, x, outs[name], threads, entry)  # warm-up
             for round_ in range(rounds):
                 for qtype, linear in linears.items():
                     # Each library first in every other round, and one untimed call before its timed ones:
                     # the one that ran second would find the matrix in cache (an A/A run showed 7-25%).
                     for name in names if round_ % 2 == 0 else names[::-1]:
                         library = libraries[name]
-                        linear.run(library, x, outs[name], threads)
+                        linear.run(library, x, outs[name], threads, entry)
                         start = clock()
                         for _ in range(calls):
-                            linear.run(library, x, outs[name], threads)
+                            linear.run(library, x, outs[name], threads, entry)
                         seconds[(qtype, name)].append((clock() - start) / calls)
             for qtype, linear in linears.items():
                 for name in names:
@@ -124,18 +126,21 @@ def main() -> None:
         "--types", default=",".join(qtype.name for qtype in FORMATS), help="GGUF types, comma-separated"
     )
     parser.add_argument("--baseline", help="a git revision whose kernels to run beside this tree's")
+    parser.add_argument("--int8", action="store_true", help="x in int8 per 16 values (lmq_linear_int8), not int16")
     args = parser.parse_args()
+    entry = "lmq_linear_int8" if args.int8 else "lmq_linear"
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     library = build.load()
     if library is None:
         raise SystemExit(f"no native library: {build.missing_requirements()}")
-    library.lmq_linear.restype = ctypes.c_int
+    getattr(library, entry).restype = ctypes.c_int
     libraries = {"this tree": library}
     types = [QType[name] for name in args.types.split(",")]
     with tempfile.TemporaryDirectory() as directory:
         if args.baseline:
             libraries[args.baseline] = baseline_library(args.baseline, pathlib.Path(directory))
-        measure(shapes, [int(r) for r in args.rows.split(",")], args.threads, args.rounds, args.calls, types, libraries)
+        rows = [int(r) for r in args.rows.split(",")]
+        measure(shapes, rows, args.threads, args.rounds, args.calls, types, libraries, entry)
 
 
 if __name__ == "__main__":

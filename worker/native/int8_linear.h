@@ -150,19 +150,22 @@ inline __m512i half_dot(const __m512i* quads, const int8_t* x) {
 // ---- the linears on int8 x ----
 
 // Row `row`'s group g against a block's quads with x's scales applied, an offset c of a (q - c) taken out:
-// d0 s0 + d1 s1 - c d sum(qx) over the group's 32 values (s0, s1: the halves' exact int32 dots).
+// d0 s0 + d1 s1 - c d sum(qx) over the group's 32 values (s0, s1: the halves' exact int32 dots). Offset:
+// whether the quads hold one (c = 0 costs a broadcast and its scalars a group and row all the same).
+template <bool Offset = true>
 inline __m512 group_product(const __m512i* quads, const Int8Rows& x, int64_t row, int64_t g, float offset) {
   const int64_t at = row * (x.stride / kHalf) + 2 * g;
   const int8_t* q = x.q + row * x.stride + g * kGroup;
   const __m512 s0 = _mm512_cvtepi32_ps(half_dot<0>(quads, q)), s1 = _mm512_cvtepi32_ps(half_dot<4>(quads, q));
-  const __m512 minus_offset = _mm512_set1_ps(-offset * (x.half_sum[at] + x.half_sum[at + 1]));
-  return _mm512_fmadd_ps(s1, _mm512_set1_ps(x.scale[at + 1]), _mm512_fmadd_ps(s0, _mm512_set1_ps(x.scale[at]), minus_offset));
+  const __m512 d0s0 = Offset ? _mm512_fmadd_ps(s0, _mm512_set1_ps(x.scale[at]), _mm512_set1_ps(-offset * (x.half_sum[at] + x.half_sum[at + 1])))
+                             : _mm512_mul_ps(s0, _mm512_set1_ps(x.scale[at]));
+  return _mm512_fmadd_ps(s1, _mm512_set1_ps(x.scale[at + 1]), d0s0);
 }
 
 // Output columns [16 * block, +16) for x rows [r0, r0 + rows): quant_linear.h's quant_block on int8 x.
 template <int Bits, typename Scale, int Group, bool Derived, int MR>
 void quant_block(const QuantMatrix& w, int64_t block, const Int8Rows& x, int64_t r0, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
-  constexpr bool kMins = Bits < 6 && !Derived;
+  constexpr bool kMins = Bits < 6 && !Derived, kOffset = !kMins;
   constexpr int kSub = kGroup / Group, kBytes = kGroupBytes<Bits>;
   const int64_t groups = w.k / kGroup, halves = x.stride / kHalf;
   const uint8_t* packed = w.weights + block * groups * kBytes;
@@ -181,7 +184,7 @@ void quant_block(const QuantMatrix& w, int64_t block, const Int8Rows& x, int64_t
       const int64_t at = (r0 + r) * halves + 2 * g;
       const float* xs = x.half_sum + at;
       if constexpr (kSub == 1) {
-        sum = _mm512_fmadd_ps(group_product(quads, x, r0 + r, g, offset), a0, sum);
+        sum = _mm512_fmadd_ps(group_product<kOffset>(quads, x, r0 + r, g, offset), a0, sum);
         if constexpr (kMins) sum = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[0] + xs[1]), sum);
       } else {  // a scale per half: the halves' products apart
         const int8_t* row = x.q + (r0 + r) * x.stride + g * kGroup;
