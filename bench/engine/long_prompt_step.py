@@ -1,10 +1,10 @@
 """One long prompt through the step alone: its time to first token by path, and where the native step's time goes.
 
     .venv/bin/python -m bench.engine.long_prompt_step                          # Qwen3-0.6B's shape, 1,000 tokens
-    .venv/bin/python -m bench.engine.long_prompt_step --shape llama-3.2-1b --tokens 2000 --rounds 3
+    .venv/bin/python -m bench.engine.long_prompt_step --model .bench/shapes/llama-3.2-1b-random.Q4_0.gguf --tokens 2000
 
 A random-weight model in the shape (bench/engine/native_families.py's configs; the values do not change the
-time) reads one prompt of --tokens tokens in chunks of --chunk (the engine's token budget: `--step-tokens`),
+time), or a GGUF file (--model: its own blocks, as the worker packs them), reads one prompt of --tokens tokens in chunks of --chunk (the engine's token budget: `--step-tokens`),
 each path into its own pool, alternated inside every round:
 
 - `torch`: `--cpu-steps torch`, the default mode's packed bfloat16 copies for steps of 128 rows or more;
@@ -45,14 +45,18 @@ PAGE = 16
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--model", help="a GGUF file instead of the shape (bench/service/shapes.py writes them)")
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--chunk", type=int, default=512, help="tokens a step (the worker's --step-tokens)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    config = SHAPES[args.shape]
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as directory:
-        path = str(write_hf_dir(pathlib.Path(directory) / "model", config, random_weights(config)))
+        if args.model:
+            path, args.shape = args.model, pathlib.Path(args.model).name
+        else:
+            config = SHAPES[args.shape]
+            path = str(write_hf_dir(pathlib.Path(directory) / "model", config, random_weights(config)))
         torch_backend = select_backend(load_model(path, device="cpu", cpu_steps="torch"), max_threads=threads)
         native_backend = select_backend(load_model(path, device="cpu"), max_threads=threads)
         native = native_backend.native
@@ -86,7 +90,7 @@ def main() -> None:
 
 def report(args, times, phases, logits) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    print(f"\n{args.shape}, random weights, a {args.tokens}-token prompt in chunks of {args.chunk}, "
+    print(f"\n{args.shape}, a {args.tokens}-token prompt in chunks of {args.chunk}, "
           f"{torch.get_num_threads()} threads, {cpu}; median of {args.rounds} rounds; load {os.getloadavg()}")  # fmt: skip
     base = logits["torch"].log_softmax(-1)
     for name, seconds in times.items():
