@@ -9,6 +9,7 @@ line in `select_backend`.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -73,6 +74,7 @@ def select_backend(loaded, *, max_threads: int) -> StepBackend:
         native = NativeSteps.build(loaded.model, loaded.checkpoint, max_threads, loaded.dense_from_rows, invariant)
         if native.max_rows is None and loaded.dense_from_rows is not None:
             dropped = drop_dense_copies(loaded.model)  # packed before the native step serves long prompts too
+            return_freed_memory()
             log.info("the native step serves every step: %d dense bfloat16 copies let go", dropped)
             loaded.dense_from_rows = None
         return CpuNativeBackend(loaded, max_threads, native)
@@ -81,6 +83,14 @@ def select_backend(loaded, *, max_threads: int) -> StepBackend:
     elif loaded.cpu_steps != "torch":
         log.info("native steps off: %s; steps run on torch", reason)
     return CpuTorchBackend(loaded, max_threads)
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps freed memory for later allocations: the
+    dropped copies of the Qwen3-0.6B shape left the worker's RSS at 2.5 GB, 1.2 GB after this)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; absent elsewhere
+    if trim is not None:
+        trim(0)
 
 
 def native_refusal(loaded) -> str | None:
