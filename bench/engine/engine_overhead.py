@@ -38,6 +38,7 @@ import torch
 
 import worker.engine as engine_module
 from bench.engine.native_families import SHAPES, random_weights, run_greedy
+from bench.engine.quality import cpu_model
 from bench.engine.random_models import write_hf_dir
 from worker import compute_thread
 from worker.engine import Engine, SeqOutput
@@ -164,7 +165,7 @@ def main() -> None:
         steps: list[dict[str, float]] = []
         for round_ in range(args.rounds):
             steps += asyncio.run(measure(loaded, backend, args.streams, args.tokens, salt=round_))
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    cpu = cpu_model()
     print(f"\n{args.shape}, {args.streams} greedy streams, {threads} threads, {cpu}")
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}")
     print(f"{len(steps)} decode steps, ms (median, mean); load {os.getloadavg()}")

@@ -33,6 +33,7 @@ import time
 import torch
 
 from bench.engine.native_families import SHAPES, random_weights
+from bench.engine.quality import cpu_model
 from bench.engine.random_models import write_hf_dir
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from worker.model.loader import load_model
@@ -89,7 +90,7 @@ def main() -> None:
 
 
 def report(args, times, phases, logits) -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    cpu = cpu_model()
     print(f"\n{args.shape}, a {args.tokens}-token prompt in chunks of {args.chunk}, "
           f"{torch.get_num_threads()} threads, {cpu}; median of {args.rounds} rounds; load {os.getloadavg()}")  # fmt: skip
     base = logits["torch"].log_softmax(-1)

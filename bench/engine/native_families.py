@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from bench.engine.native_baseline import baseline_library
+from bench.engine.quality import cpu_model
 from bench.engine.random_models import write_hf_dir
 from protocol import SamplingParams
 from worker.engine import Engine, GenRequest, SeqOutput
@@ -160,7 +161,7 @@ def run(loaded: LoadedModel, args: argparse.Namespace, directory: pathlib.Path) 
                 rate = asyncio.run(decode_tok_s(loaded, backends[name], streams, args.tokens, salt=round_))
                 figures.setdefault((name, streams), []).append(rate)
                 print(f"round {round_ + 1} {name:12s} {streams:2d} streams: {rate:7.1f} tok/s", flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    cpu = cpu_model()
     print(f"\n{args.shape}, random weights, default CPU mode, {threads} threads, {cpu or platform.processor()}")
     print(f"native steps served: {dict(backends['native'].served)}")
     peers = [name for name in backends if name != "native"]

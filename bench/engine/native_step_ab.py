@@ -32,6 +32,7 @@ import torch
 
 from bench.engine.native_baseline import baseline_library
 from bench.engine.native_families import SHAPES, random_weights
+from bench.engine.quality import cpu_model
 from bench.engine.random_models import write_hf_dir
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from worker.model.loader import load_model
@@ -109,7 +110,7 @@ def run(backend: CpuNativeBackend, libraries: dict[str, ctypes.CDLL], rows_list:
 
 
 def report(libraries, rows_list, times, phases, logits, args) -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    cpu = cpu_model()
     print(f"\n{args.shape}, random weights, default CPU mode, {args.threads} threads, {cpu}")
     print(
         f"decode steps at context {args.context}, median of {args.rounds} rounds x {args.steps} steps; load {os.getloadavg()}"
