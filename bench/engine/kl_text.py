@@ -87,11 +87,8 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int, tier: str = "") -> to
     (tier "int8": the scored positions one decode a step; "int8-context": see int8_context_logits)."""
     if tier == "int8-context":
         return int8_context_logits(loaded, chunk, step_rows)
-    config, ctx = loaded.config, len(chunk)
-    pages = (ctx + PAGE_SIZE - 1) // PAGE_SIZE
-    shape = (config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
-    kv_dtype = loaded.dtype
-    kv = PagedKV(k=torch.zeros(shape, dtype=kv_dtype), v=torch.zeros(shape, dtype=kv_dtype))
+    ctx = len(chunk)
+    pages, kv = _fresh_pool(loaded, ctx)
     wanted = scored_rows(ctx)
     forward = step_forward(loaded)  # the worker's step backend: the native step where it serves the mode
     parts = []
@@ -115,15 +112,21 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int, tier: str = "") -> to
     return torch.cat(parts)
 
 
+def _fresh_pool(loaded, ctx: int) -> tuple[int, PagedKV]:
+    """A zeroed KV pool of the model's dtype for one chunk of ctx tokens (slot = position): (its pages, the pool)."""
+    config = loaded.config
+    pages = (ctx + PAGE_SIZE - 1) // PAGE_SIZE
+    shape = (config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
+    return pages, PagedKV(k=torch.zeros(shape, dtype=loaded.dtype), v=torch.zeros(shape, dtype=loaded.dtype))
+
+
 def int8_context_logits(loaded, chunk: list[int], step_rows: int) -> torch.Tensor:
     """As chunk_logits, with every scored position seeing int8-x keys and values for all earlier positions and
     its own row on int16 x: the chunk fed in steps that sample nothing (int8 x from INT8_FROM_ROWS rows), then
     the scored positions one row each, last first (a row overwrites only its own K/V, which no earlier
     position reads)."""
-    config, ctx = loaded.config, len(chunk)
-    pages = (ctx + PAGE_SIZE - 1) // PAGE_SIZE
-    shape = (config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
-    kv = PagedKV(k=torch.zeros(shape, dtype=loaded.dtype), v=torch.zeros(shape, dtype=loaded.dtype))
+    ctx = len(chunk)
+    pages, kv = _fresh_pool(loaded, ctx)
     forward = step_forward(loaded)
 
     def step(start: int, end: int, sample: bool) -> torch.Tensor:

@@ -58,8 +58,8 @@ def split_long_prompts(batch: StepBatch) -> PromptSplit | None:
 
 
 def merge_logits(split: PromptSplit, earlier: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """The two parts' logits in the step's own order of logit rows."""
-    out = torch.empty(len(split.from_last), earlier.shape[1] if len(earlier) else last.shape[1], dtype=last.dtype)
+    """The two parts' logits in the step's own order of logit rows (`last` has one at least: a long prompt's)."""
+    out = torch.empty(len(split.from_last), last.shape[1], dtype=last.dtype)
     out[split.from_last] = last
     out[~split.from_last] = earlier
     return out
