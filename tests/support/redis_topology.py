@@ -63,7 +63,14 @@ class SingleRedis:
                     path.unlink()
         time.sleep(down_s)
         self.server.start()
-        self.admin.connection_pool.disconnect()
+        self.forget_dead_connections()
+
+    def forget_dead_connections(self) -> None:
+        """Close the admin pool's idle connections, dead with the old server, so the next command opens
+        a fresh one. Connections in use stay: another thread may be reading from one (the soak's
+        sampler), and closing its socket under it raises what no caller expects; its own read
+        fails as a ConnectionError if the connection died."""
+        self.admin.connection_pool.disconnect(inuse_connections=False)
 
     def delete_test_keys(self) -> None:
         for pattern in SINGLE_TEST_KEYS:
