@@ -131,8 +131,11 @@ inline __m512i group_dot(const __m512i* weights, const int16_t* group) {
   return _mm512_add_epi32(_mm512_add_epi32(dot[0], dot[1]), _mm512_add_epi32(dot[2], dot[3]));
 }
 
+// The weights kPrefetchBytes on, into L2 (T1): into L1 (T0) the prefetches held L1's few miss buffers and a
+// one-row step read its weights well under the machine's bandwidth (AMD EPYC Zen 4, Qwen3-0.6B shape:
+// 18.7-22.1 -> 16.8 ms a one-row step, 54.9-61.6 -> 51.6-58.1 ms at 16 rows; bit-identical).
 inline void prefetch_group(const uint8_t* bytes, int size) {
-  for (int line = 0; line < size; line += 64) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes + line), _MM_HINT_T0);
+  for (int line = 0; line < size; line += 64) _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes + line), _MM_HINT_T1);
 }
 
 // ---- unpacking a block's group to 16 int16 weight vectors ----
