@@ -46,8 +46,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 import torch
 
-from bench.engine.quality import step_forward
-from worker.batch import PagedKV, StepBatch
+from bench.engine.quality import fresh_pool, step_forward
+from worker.batch import StepBatch
 from worker.runtime.native_step import INT8_FROM_ROWS
 
 TEXT = Path(__file__).with_name("kl_text.txt")
@@ -63,7 +63,6 @@ MODE_LABELS = {
     "auto/auto/int8-context": "default, long prompts (every earlier row int8 x, the sampled row int16)",
 }
 CLEAR_MARGIN = 0.5  # logits between float32's best and second-best token: a disagreement there is an error
-PAGE_SIZE = 16
 
 
 def chunks(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
@@ -88,7 +87,7 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int, tier: str = "") -> to
     if tier == "int8-context":
         return int8_context_logits(loaded, chunk, step_rows)
     ctx = len(chunk)
-    pages, kv = _fresh_pool(loaded, ctx)
+    pages, kv = fresh_pool(loaded, ctx)
     wanted = scored_rows(ctx)
     forward = step_forward(loaded)  # the worker's step backend: the native step where it serves the mode
     parts = []
@@ -112,21 +111,13 @@ def chunk_logits(loaded, chunk: list[int], step_rows: int, tier: str = "") -> to
     return torch.cat(parts)
 
 
-def _fresh_pool(loaded, ctx: int) -> tuple[int, PagedKV]:
-    """A zeroed KV pool of the model's dtype for one chunk of ctx tokens (slot = position): (its pages, the pool)."""
-    config = loaded.config
-    pages = (ctx + PAGE_SIZE - 1) // PAGE_SIZE
-    shape = (config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
-    return pages, PagedKV(k=torch.zeros(shape, dtype=loaded.dtype), v=torch.zeros(shape, dtype=loaded.dtype))
-
-
 def int8_context_logits(loaded, chunk: list[int], step_rows: int) -> torch.Tensor:
     """As chunk_logits, with every scored position seeing int8-x keys and values for all earlier positions and
     its own row on int16 x: the chunk fed in steps that sample nothing (int8 x from INT8_FROM_ROWS rows), then
     the scored positions one row each, last first (a row overwrites only its own K/V, which no earlier
     position reads)."""
     ctx = len(chunk)
-    pages, kv = _fresh_pool(loaded, ctx)
+    pages, kv = fresh_pool(loaded, ctx)
     forward = step_forward(loaded)
 
     def step(start: int, end: int, sample: bool) -> torch.Tensor:

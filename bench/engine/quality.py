@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from tests.support.paged_steps import allocate_kv
 from worker.batch import PagedKV, StepBatch
 from worker.model.loader import LoadedModel, load_model
 from worker.runtime.backend import StepBackend
@@ -53,6 +54,12 @@ def find_reference() -> Path | None:
     return next((d / REFERENCE_NAME for d in REFERENCE_DIRS if (d / REFERENCE_NAME).exists()), None)
 
 
+def fresh_pool(loaded: LoadedModel, tokens: int) -> tuple[int, PagedKV]:
+    """A zeroed KV pool of the model's dtype and device for one chunk of `tokens` (slot = position): (its pages, the pool)."""
+    pages = (tokens + PAGE_SIZE - 1) // PAGE_SIZE
+    return pages, allocate_kv(loaded.config, pages, PAGE_SIZE, loaded.dtype, loaded.device)
+
+
 def teacher_forced_logits(loaded: LoadedModel, prompt_ids: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
     """float32 logits [len(continuation), vocab]: row i predicts continuation[i] after prompt + continuation[:i].
 
@@ -60,13 +67,7 @@ def teacher_forced_logits(loaded: LoadedModel, prompt_ids: Sequence[int], contin
     len(continuation) positions, in a KV pool of the model's own dtype sized to fit.
     """
     tokens = list(prompt_ids) + list(continuation[:-1])
-    config = loaded.config
-    pages = (len(tokens) + PAGE_SIZE - 1) // PAGE_SIZE
-    shape = (config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
-    kv = PagedKV(
-        k=torch.zeros(shape, dtype=loaded.dtype, device=loaded.device),
-        v=torch.zeros(shape, dtype=loaded.dtype, device=loaded.device),
-    )
+    pages, kv = fresh_pool(loaded, len(tokens))
     batch = StepBatch(
         input_ids=torch.tensor(tokens),
         positions=torch.arange(len(tokens)),
