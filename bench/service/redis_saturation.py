@@ -41,6 +41,17 @@ A Redis is full at one core, so one Redis carries 10k tokens/s ÷ its CPU per 10
 cluster as many as its busiest node does: the ratio of the two. Beside it, the nodes' balance
 (the busiest node's CPU over the idlest's).
 
+That ratio is read at light load, where a node at a few percent of a core wakes for nearly every
+call; a saturated node handles several calls a wake-up, and its CPU per token falls. `--redis-cpu F`
+caps every Redis node at F of one core (bench/harness/cpu_cap.py: a cgroup each; needs root), low
+enough (0.005–0.01 here) that the nodes, not the machine, are the limit: then tokens/s measure Redis,
+and each level with --versus-one-redis also prints what the cluster carried at saturation:
+
+    capacity at saturation (× one Redis) = the cluster's tokens/s ÷ one Redis's, every node capped alike
+
+beside each node's CPU over its cap (near 1.0: it was the limit). (Commandstats' microseconds count
+wall time, so a command that a throttled period cut in two reads long; the CPU figures do not.)
+
 `--balance` samples, every 50 ms of each level, each request stream's length and its entries
 pending per consumer (XLEN, XPENDING; so its own commands are in that run's Redis figures): with
 `--max-seqs` below streams ÷ workers a backlog builds, and the pull model's promise is that no
@@ -69,6 +80,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.harness.client import ChatClient
+from bench.harness.cpu_cap import CpuCap
 from bench.harness.prompts import question
 from bench.harness.stats import RequestResult, summarize
 from bench.harness.stub_services import STUB_MAX_SEQS, StubServices
@@ -111,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1, help="with --versus-one-redis: rounds of both layouts")
     parser.add_argument("--max-seqs", type=int, default=STUB_MAX_SEQS, help="each stub worker's slots")
     parser.add_argument("--balance", action="store_true", help="sample backlog and slots held per worker")
+    parser.add_argument(
+        "--redis-cpu", type=float, metavar="FRACTION",
+        help="cap each Redis node at this share of one core (a cgroup; needs root), so that Redis is the limit",
+    )  # fmt: skip
     parser.add_argument("--logs", type=Path, default=Path("bench/results/logs"))
     parser.add_argument("--json", type=Path)
     return parser
@@ -257,6 +273,22 @@ def capacity_figures(one: dict, cluster: dict) -> dict:
     }
 
 
+def saturated_figures(one: dict, cluster: dict, cap: float | None) -> dict:
+    """With every node capped at `cap` of a core, Redis is the limit and tokens/s measure it: the cluster's
+    tokens/s over one Redis's, beside each node's CPU as a share of its cap (near 1: it was the limit)."""
+    if not cap or not one["output_tok_s"]:
+        return {}
+    return {
+        "cap": cap,
+        "saturated_capacity": cluster["output_tok_s"] / one["output_tok_s"],
+        "tok_s": {"one_redis": one["output_tok_s"], "cluster": cluster["output_tok_s"]},
+        "share_of_cap": {
+            "one_redis": one["redis_nodes"][0]["utilisation"] / cap,
+            "cluster": [node["utilisation"] / cap for node in cluster["redis_nodes"]],
+        },
+    }
+
+
 def beyond_idle(one: dict, cluster: dict) -> dict:
     """The same ratio with each node's idle CPU (measured before the levels: the cluster bus, heartbeats,
     readers' timeouts) taken out of its level's: what grows with tokens, which is what fills a node at
@@ -298,6 +330,13 @@ def capacity_line(figures: dict, round_number: int) -> str:
             f"\n{'':>7}          beyond idle CPU (one Redis {idle['one_redis']:.1f} ms/s, nodes"
             f" {' '.join(f'{rate:.1f}' for rate in idle['cluster'])} ms/s): {figures['one_redis_beyond_idle_ms_per_10k']:.0f} ms"
             f" ÷ {figures['busiest_beyond_idle_ms_per_10k']:.0f} ms = {figures['capacity_beyond_idle']:.2f}× one Redis"
+        )
+    if "saturated_capacity" in figures:
+        tok_s, share = figures["tok_s"], figures["share_of_cap"]
+        line += (
+            f"\n{'':>7}          at saturation (each node capped at {figures['cap']:g} of a core): {tok_s['cluster']:.0f}"
+            f" ÷ {tok_s['one_redis']:.0f} tok/s = {figures['saturated_capacity']:.2f}× one Redis; CPU ÷ cap: one Redis"
+            f" {share['one_redis']:.2f}, nodes {' '.join(f'{s:.2f}' for s in share['cluster'])}"
         )
     return line
 
@@ -591,6 +630,10 @@ def run_all(args: argparse.Namespace) -> dict:
     layouts = ([0] if args.versus_one_redis else []) + [args.cluster]
     with contextlib.ExitStack() as stack:
         services = [stack.enter_context(started_services(args, cluster)) for cluster in layouts]
+        if args.redis_cpu:
+            cap = stack.enter_context(CpuCap(args.redis_cpu))
+            for node in (node for each in services for node in each.redis_nodes):
+                cap.add(node.process.pid)
         asked = services[-1]
         layout = {"nodes": len(asked.redis_nodes), "shards": len(asked.layout.shards), "cluster": bool(args.cluster)}
         server = asked.redis_server
@@ -606,7 +649,10 @@ def run_all(args: argparse.Namespace) -> dict:
     if args.versus_one_redis:
         one, cluster = levels
         report["one_redis_levels"] = one
-        report["capacity"] = [capacity_figures(o, c) | {"round": c["round"]} for o, c in zip(one, cluster)]
+        report["capacity"] = [
+            capacity_figures(o, c) | saturated_figures(o, c, args.redis_cpu) | {"round": c["round"]}
+            for o, c in zip(one, cluster)
+        ]
     return report
 
 

@@ -195,6 +195,18 @@ def test_capacity_is_one_redis_cpu_per_token_over_the_busiest_nodes():
     assert "200 ms ÷ 100 ms = 2.00×" in redis_saturation.capacity_line(beyond, 1)
 
 
+def test_capped_nodes_compare_by_tokens_per_second_beside_each_node_s_cpu_over_its_cap():
+    def level(tok_s: float, node_cpu: list[float]) -> dict:
+        nodes = [{"utilisation": cpu} for cpu in node_cpu]
+        return {"output_tok_s": tok_s, "redis_nodes": nodes}
+
+    figures = redis_saturation.saturated_figures(level(1_000, [0.01]), level(2_600, [0.01, 0.0095, 0.0098]), 0.01)
+    assert figures["saturated_capacity"] == pytest.approx(2.6)
+    assert figures["share_of_cap"]["one_redis"] == pytest.approx(1.0)
+    assert figures["share_of_cap"]["cluster"] == pytest.approx([1.0, 0.95, 0.98])
+    assert redis_saturation.saturated_figures(level(1_000, [0.01]), level(2_600, [0.01]), None) == {}, "no cap"
+
+
 def test_balance_counts_only_samples_with_requests_waiting():
     samples = [(0, {"a": 0, "b": 0}), (3, {"a": 4, "b": 0}), (1, {"a": 4, "b": 2}), (2, {"a": 2})]
     figures = redis_saturation.balance_figures(samples, ["a", "b"], max_seqs=4)
