@@ -28,11 +28,21 @@ class CpuCapError(RuntimeError):
 
 def cgroup_root() -> tuple[Path, int] | None:
     """(the root to make groups under, the cgroup version), or None where no CPU controller is writable."""
-    if (V2_ROOT / "cgroup.controllers").exists() and "cpu" in (V2_ROOT / "cgroup.controllers").read_text().split():
-        return (V2_ROOT, 2) if os.access(V2_ROOT, os.W_OK) else None
-    if (V1_ROOT / "cpu.cfs_quota_us").exists():
-        return (V1_ROOT, 1) if os.access(V1_ROOT, os.W_OK) else None
-    return None
+    if (V2_ROOT / "cgroup.subtree_control").exists():  # v2: children get cpu.max only where it is delegated
+        found = (V2_ROOT, 2) if "cpu" in (V2_ROOT / "cgroup.subtree_control").read_text().split() else None
+    else:
+        found = (V1_ROOT, 1) if (V1_ROOT / "cpu.cfs_quota_us").exists() else None
+    return found if found and _can_make_groups(found[0]) else None
+
+
+def _can_make_groups(root: Path) -> bool:
+    probe = root / f"lmq-cpu-cap-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+        return True
+    except OSError:  # not root, a read-only cgroup mount, a container without delegation
+        return False
 
 
 class CpuCap:
