@@ -53,6 +53,7 @@ RETRIES = 3  # per command: backoff 0.05, 0.1, 0.2 s, enough to get past a dead 
 # A sentinel, or a primary that a failover left behind, may be a host that is gone: a connection
 # attempt gives up after this long and the next sentinel (or the new primary) is asked instead.
 SENTINEL_SOCKET_TIMEOUT_S = 2.0
+CLUSTER_SOCKET_TIMEOUT_S = 5.0  # redis-py's default, named: a blocking read on a cluster must end before it
 PRIMARY_CONNECT_TIMEOUT_S = 5.0
 
 
@@ -159,6 +160,7 @@ def _cluster(url: str) -> RedisCluster:
         password=address.password,
         **_tls(address.tls),
         max_connections=MAX_CLUSTER_CONNECTIONS,
+        socket_timeout=CLUSTER_SOCKET_TIMEOUT_S,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), RETRIES),
         retry_on_error=[ConnectionError, TimeoutError],
     )

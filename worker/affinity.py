@@ -26,6 +26,16 @@ its reader knew of before the deferral began (`up_to`): one that arrived during 
 before the read, is not yet a backlog, and taking it would make every step of its request write
 one more shard. So no worker idles for more than about two deferrals while another has a backlog:
 an entry that arrives during one is taken after the next.
+
+Why a reader of another's shard waits WATCH_BLOCK_MS in one XREAD where an own lane's waits a second: a
+reader with nothing to read waits for a new entry with an XREAD that returns the moment one arrives;
+its timeout only says when to look again, and each look costs a read script and a new XREAD. A worker
+reads every shard at both priorities, so with W workers and K shards W × 2K readers looked every
+second: 6 workers on 6 shards, 72 readers, whose looks were more than half of the cluster's reads and
+waits per token at saturation (docs/benchmarks.md, "The cluster at saturation"). Nothing a reader of another's shard waits for comes without a new entry (its backlog is entries its
+own worker leaves; a dead worker's pending entries are the claim loop's), so it looks only every
+WATCH_BLOCK_MS: 4 s, short of the cluster client's socket timeout (5 s), past which the read would fail
+as a broken connection.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ log = logging.getLogger(__name__)
 
 FOLLOW_INTERVAL_S = 5.0
 DEFER_S = 0.05  # how long a new entry in another's shard is left to that shard's own worker
+WATCH_BLOCK_MS = 4_000  # how long a reader of another's shard waits for a new entry before looking again
 
 
 class ShardAffinity:
@@ -81,6 +92,10 @@ class ShardAffinity:
 
     def preferred_lane(self, lane: str) -> bool:
         return self.lanes[lane].shard.index in self.preferred
+
+    def block_ms(self, lane: str, own_ms: int) -> int:
+        """How long `lane`'s reader waits for a new entry in one XREAD: `own_ms` on a preferred shard."""
+        return own_ms if self.preferred_lane(lane) else WATCH_BLOCK_MS
 
     def up_to(self, lane: str, seen: str) -> str | None:
         """The newest entry the next read of `lane` may take, given `seen`, the newest entry id its reader

@@ -223,7 +223,8 @@ class Worker:
             if read.entries:
                 await self._admit_all(read.entries, claimed=False)
             elif read.drained:
-                return await self.stream.wait_beyond(lane, read.newest, READ_BLOCK_MS) or read.newest
+                block_ms = self.affinity.block_ms(lane, READ_BLOCK_MS)
+                return await self.stream.wait_beyond(lane, read.newest, block_ms) or read.newest
         except REDIS_FAILURES as exc:
             await self._recover_from(exc)
         return read.newest

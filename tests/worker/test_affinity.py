@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 import protocol
 from protocol import Heartbeat
 from protocol.keys import sharded
+from protocol.redis_client import CLUSTER_SOCKET_TIMEOUT_S
 from tests.support.worker_harness import MODEL, chat_request, stop_worker, wait_for, worker_config
 from worker import affinity, service
 from worker.affinity import ShardAffinity
@@ -108,6 +109,44 @@ async def test_a_reader_of_another_s_shard_takes_only_entries_that_were_there_be
         await redis.aclose()
     assert [entry_id for _, entry_id, _ in taken] == [a, *added_b]
     assert all(waited for _, _, waited in taken), f"taken in the read right after the wait it arrived in: {taken}"
+
+
+async def test_a_reader_of_another_s_shard_waits_watch_block_ms_for_a_new_entry_not_a_second(
+    tiny, redis_url, redis_client, monkeypatch
+):
+    """A reader with nothing to read waits for a new entry in an XREAD that ends the moment one arrives;
+    its timeout only says when to look again, and each look is a read script and a new XREAD. Own lanes
+    look every second; another's shard brings nothing without a new entry, so its readers (a worker
+    has K - 1 shards' of them) wait WATCH_BLOCK_MS: with nothing arriving, none reads again in 2.5 s. On a
+    cluster that wait must end before the client's socket timeout, or it fails as a broken connection."""
+    layout = sharded(2)
+    monkeypatch.setattr(service, "shard_layout", lambda url: layout)
+    beat = Heartbeat(worker_id="w2", model=MODEL, capacity=4, running=0, waiting=0, kv_pages_used=0,
+                     kv_pages_total=1, time=time.time())  # fmt: skip
+    await redis_client.set(layout.home.worker_key("w2"), beat.encode(), ex=600)
+    redis = aioredis.Redis.from_url(redis_url)
+    worker = Worker(worker_config(redis_url, "w1"), tiny, redis)
+    worker.affinity.assign(["w1", "w2"])
+    reads: list[str] = []
+    read_available = worker.stream.read_available
+
+    async def counted_read(lane, slots, up_to=None):
+        reads.append(lane)
+        return await read_available(lane, slots, up_to)
+
+    monkeypatch.setattr(worker.stream, "read_available", counted_read)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await wait_for(lambda: readers_waiting(redis_client, len(worker.stream.lanes)), what="every reader waiting")
+        reads.clear()
+        await asyncio.sleep(2.5)
+    finally:
+        await stop_worker(task, stop, 30.0)
+        await redis.aclose()
+    assert 2_500 < affinity.WATCH_BLOCK_MS <= CLUSTER_SOCKET_TIMEOUT_S * 1000 - 1000
+    assert reads.count("interactive") >= 2, f"own lanes look again every second: {reads}"
+    assert reads.count("interactive@1") == reads.count("batch@1") == 0, f"another's shard looked again: {reads}"
 
 
 async def readers_waiting(redis: aioredis.Redis, count: int) -> bool:
