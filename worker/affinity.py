@@ -32,10 +32,10 @@ reader with nothing to read waits for a new entry with an XREAD that returns the
 its timeout only says when to look again, and each look costs a read script and a new XREAD. A worker
 reads every shard at both priorities, so with W workers and K shards W × 2K readers looked every
 second: 6 workers on 6 shards, 72 readers, whose looks were more than half of the cluster's reads and
-waits per token at saturation (docs/benchmarks.md, "The cluster at saturation"). Nothing a reader of another's shard waits for comes without a new entry (its backlog is entries its
-own worker leaves; a dead worker's pending entries are the claim loop's), so it looks only every
-WATCH_BLOCK_MS: 4 s, short of the cluster client's socket timeout (5 s), past which the read would fail
-as a broken connection.
+waits per token at saturation (docs/benchmarks.md, "The cluster at saturation"). Nothing a reader of
+another's shard waits for comes without a new entry (its backlog is entries its own worker leaves; a
+dead worker's pending entries are the claim loop's), so it looks only every WATCH_BLOCK_MS: 4 s, short
+of the cluster client's socket timeout (5 s), past which the read would fail as a broken connection.
 """
 
 from __future__ import annotations
