@@ -87,7 +87,7 @@ class CpuCap:
         for pid, group in self.groups.items():
             try:
                 (self.root / "cgroup.procs").write_text(str(pid))
-            except (ProcessLookupError, OSError):
+            except OSError:
                 pass  # the process is gone; its group empties with it
             try:
                 group.rmdir()

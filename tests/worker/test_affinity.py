@@ -59,17 +59,9 @@ async def test_a_reader_of_another_s_shard_takes_only_entries_that_were_there_be
     what waited through it (a backlog), not also what arrived during it: each entry taken that way
     makes every step of its request write one more shard. Here shard 1 belongs to `w2`, which never
     reads (full, stopped or gone), so w1 must still take both of its entries: B one wait after A."""
-    layout = sharded(2)
-    monkeypatch.setattr(service, "shard_layout", lambda url: layout)
-    beat = Heartbeat(worker_id="w2", model=MODEL, capacity=4, running=0, waiting=0, kv_pages_used=0,
-                     kv_pages_total=1, time=time.time())  # fmt: skip
-    await redis_client.set(layout.home.worker_key("w2"), beat.encode(), ex=600)
+    layout, redis, worker = await w1_beside_w2(tiny, redis_url, redis_client, monkeypatch)
     foreign = layout.shards[1]
     stream = foreign.request_stream(MODEL)
-    redis = aioredis.Redis.from_url(redis_url)
-    worker = Worker(worker_config(redis_url, "w1"), tiny, redis)
-    worker.affinity.assign(["w1", "w2"])
-    assert worker.affinity.preferred == {0}
 
     before_wait: dict[str, set[str]] = {}  # lane -> the stream's entries when its reader's last wait began
     added_b: list[str] = []
@@ -119,14 +111,7 @@ async def test_a_reader_of_another_s_shard_waits_watch_block_ms_for_a_new_entry_
     look every second; another's shard brings nothing without a new entry, so its readers (a worker
     has K - 1 shards' of them) wait WATCH_BLOCK_MS: with nothing arriving, none reads again in 2.5 s. On a
     cluster that wait must end before the client's socket timeout, or it fails as a broken connection."""
-    layout = sharded(2)
-    monkeypatch.setattr(service, "shard_layout", lambda url: layout)
-    beat = Heartbeat(worker_id="w2", model=MODEL, capacity=4, running=0, waiting=0, kv_pages_used=0,
-                     kv_pages_total=1, time=time.time())  # fmt: skip
-    await redis_client.set(layout.home.worker_key("w2"), beat.encode(), ex=600)
-    redis = aioredis.Redis.from_url(redis_url)
-    worker = Worker(worker_config(redis_url, "w1"), tiny, redis)
-    worker.affinity.assign(["w1", "w2"])
+    _, redis, worker = await w1_beside_w2(tiny, redis_url, redis_client, monkeypatch)
     reads: list[str] = []
     read_available = worker.stream.read_available
 
@@ -147,6 +132,21 @@ async def test_a_reader_of_another_s_shard_waits_watch_block_ms_for_a_new_entry_
     assert 2_500 < affinity.WATCH_BLOCK_MS <= CLUSTER_SOCKET_TIMEOUT_S * 1000 - 1000
     assert reads.count("interactive") >= 2, f"own lanes look again every second: {reads}"
     assert reads.count("interactive@1") == reads.count("batch@1") == 0, f"another's shard looked again: {reads}"
+
+
+async def w1_beside_w2(model, redis_url: str, redis_client: aioredis.Redis, monkeypatch):
+    """Two shards on one Redis and worker w1 (not started), which prefers shard 0 because w2's heartbeat
+    says w2 serves the model too (w2 itself never runs): (the layout, w1's client, w1)."""
+    layout = sharded(2)
+    monkeypatch.setattr(service, "shard_layout", lambda url: layout)
+    beat = Heartbeat(worker_id="w2", model=MODEL, capacity=4, running=0, waiting=0, kv_pages_used=0,
+                     kv_pages_total=1, time=time.time())  # fmt: skip
+    await redis_client.set(layout.home.worker_key("w2"), beat.encode(), ex=600)
+    redis = aioredis.Redis.from_url(redis_url)
+    worker = Worker(worker_config(redis_url, "w1"), model, redis)
+    worker.affinity.assign(["w1", "w2"])
+    assert worker.affinity.preferred == {0}
+    return layout, redis, worker
 
 
 async def readers_waiting(redis: aioredis.Redis, count: int) -> bool:
