@@ -10,12 +10,19 @@ from dataclasses import dataclass, field
 # OpenMP threads that wait for work by spinning (libgomp's default) turn every parallel kernel into a
 # wait for a descheduled partner thread as soon as anything else wants the cores: on 2 shared cores a
 # decode step of the default model took 1,000 ms with 2 spinning threads and 45 ms with 2 sleeping ones
-# (docs/dev/measurements.md, "Targets, and where the time goes", its levers). libgomp reads this when torch
-# loads, and `lmq serve` / `lmq worker` import this module first; a value the user set is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# ...but a thread that sleeps at once turns each of the native step's ~300 barriers (one OpenMP team per
-# step, worker/native/decoder_step.cpp) into a futex wake-up: the default model's step at batch 1 took
-# 15 ms on 2 threads against 5 on one. A short spin first (3,000 pauses, ~0.1 ms) gives 2.7 ms on 2 threads.
+# (docs/dev/measurements.md, "Targets, and where the time goes", its levers). So a waiting thread spins
+# briefly, then sleeps: the native step has ~300 barriers (one OpenMP team per step,
+# worker/native/decoder_step.cpp), and a thread that slept at each turned the default model's step at
+# batch 1 into 15 ms on 2 threads against 5 on one; 3,000 spins first (tens of microseconds) gave 2.7 ms.
+# The policy is ACTIVE, not PASSIVE, for libgomp's other count: where a process holds more OpenMP threads
+# than cores (each thread that starts parallel work keeps a team), libgomp spins its "throttled" count
+# instead, which PASSIVE leaves at 0 and ACTIVE sets to 1,000 (never above GOMP_SPINCOUNT). The engine
+# benchmarks' processes were such: under PASSIVE every barrier slept there (Gemma 3 270M's step at batch
+# 1, 9.4 ms against 7.2); `lmq serve`'s worker measured alike under both (docs/benchmarks.md, "OpenMP's
+# throttled spin"). With GOMP_SPINCOUNT set, ACTIVE never spins longer than that count. libgomp reads
+# both when torch loads, and `lmq serve` / `lmq worker` import this module first; a value the user set
+# is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -2,7 +2,7 @@
 
 torch runs every operator of a step on its OpenMP threads. A small step (a few decodes of a small
 model) is hundreds of operators of a few microseconds each, and waking the other threads for each
-one (they sleep between operators: worker/config.py sets OMP_WAIT_POLICY=PASSIVE, since spinning
+one (they sleep between operators after a short spin: worker/config.py bounds it, since spinning
 threads stall everything on shared cores) costs more than they save. The default model's decode
 step on the Intel machine, 2 threads against 1 (median ms, 2026-11-30, docs/benchmarks.md):
 

@@ -15,16 +15,17 @@ wrapping it, so the step's wall time (from one step's outputs to the next's) spl
   call itself (the sum of its phase clock, native_step.PHASES), sampling, the sampler's `record`.
 
 The OpenMP settings are the process's own (libgomp reads them when torch loads): the worker's are
-OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT=3000 (worker/config.py), which this module sets unless the
-environment already has them, so run it with `env GOMP_SPINCOUNT=0` to see a step without the spin.
+OMP_WAIT_POLICY=ACTIVE and GOMP_SPINCOUNT=3000 (worker/config.py), which this module sets unless the
+environment already has them, so run it with `env OMP_WAIT_POLICY=PASSIVE` to see steps whose barriers
+sleep at once (the throttled spin, worker/config.py).
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worker/config.py); before torch loads
-os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as the worker waits (worker/config.py); before torch loads
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # a short spin, then sleep
 
 import argparse
 import asyncio

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (worker/config.py); before torch loads
-os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # the native step's barriers spin briefly before they sleep
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as the worker waits (worker/config.py); before torch loads
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # a short spin, then sleep
 
 import argparse
 import asyncio

@@ -41,8 +41,10 @@ import time
 from pathlib import Path
 
 # OpenMP threads that spin while they wait burn CPU seconds that are not work, and on shared cores
-# take them from the other runs: wait passively, in this process and the server it starts.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# take them from the other runs: a short spin, then sleep, as the worker waits (worker/config.py), in this
+# process and the server it starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 import aiohttp
 import openai

@@ -34,7 +34,7 @@ from bench.harness.alternate import Alternation, Workload
 # Every server's OpenMP threads wait as lmq's worker's do (worker/config.py), llama.cpp's too (built with
 # OpenMP): a short spin, then sleep. Spinning without end collapses both 10-20x when anything else takes the
 # cores; sleeping at once cost llama.cpp 3x on a quiet host (one stream: 30 against 100 tokens/s).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # with GOMP_SPINCOUNT, bounded: worker/config.py says why
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 from bench.harness.plot import plot_throughput, plot_ttft
 from lmq.redis_server import free_tcp_port

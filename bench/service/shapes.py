@@ -198,8 +198,8 @@ def measure(alternation: Alternation, slug: str, levels: list[int], args: argpar
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # lmq's worker sets its own; the measuring clients too
-    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as the worker waits (worker/config.py); before torch loads
+    os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # a short spin, then sleep
     args = build_parser().parse_args(argv)
     load_before = os.getloadavg()[0]
     logs = args.results / "logs"

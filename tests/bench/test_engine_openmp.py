@@ -30,9 +30,10 @@ def openmp_after_import(module: str) -> dict[str, str | None]:
         "bench.engine.speed",
         "bench.engine.native_step_ab",
         "bench.engine.engine_overhead",
+        "bench.engine.long_prompt_step",
     ],
 )
 def test_an_engine_benchmark_sets_the_workers_openmp_settings(module):
     worker = openmp_after_import("worker.config")
-    assert worker["GOMP_SPINCOUNT"] is not None and worker["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert worker["GOMP_SPINCOUNT"] is not None and worker["OMP_WAIT_POLICY"] == "ACTIVE"
     assert openmp_after_import(module) == worker
