@@ -31,6 +31,7 @@ def openmp_after_import(module: str) -> dict[str, str | None]:
         "bench.engine.native_step_ab",
         "bench.engine.engine_overhead",
         "bench.engine.long_prompt_step",
+        "bench.service.priority",
     ],
 )
 def test_an_engine_benchmark_sets_the_workers_openmp_settings(module):
