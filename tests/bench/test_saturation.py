@@ -123,12 +123,14 @@ def test_bad_arguments_are_rejected():
 @pytest.mark.slow
 def test_the_smallest_real_run_reports_every_figure(tmp_path):
     out = tmp_path / "saturation.json"
-    args = ["--gateways", "1", "--workers", "1", "--streams", "2", "--requests-per-stream", "2", "--max-tokens", "4",
+    # 512 tokens: enough work that the stub worker's CPU time is counted in /proc's 10 ms ticks
+    # (16 tokens took 21 ms and the worker's count read 0 on CI).
+    args = ["--gateways", "1", "--workers", "1", "--streams", "2", "--requests-per-stream", "4", "--max-tokens", "64",
             "--kv-memory", "64MiB", "--level-timeout", "120", "--logs", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
     assert redis_saturation.main(args) == 0
     report = json.loads(out.read_text())
     [level] = report["levels"]
-    assert (level["completed"], level["errors"], level["output_tokens"]) == (4, 0, 16)
+    assert (level["completed"], level["errors"], level["output_tokens"]) == (8, 0, 512)
     assert set(level["cpu_s"]) == set(level["utilisation"]) == {"redis", "gateway", "worker", "client"}
     assert level["cpu_s"]["worker"] > 0 and level["machine_cores_busy"] > 0
     commands = {c["command"]: c for c in level["redis_commands"]}
