@@ -10,7 +10,9 @@ each path into its own pool, alternated inside every round:
 - `torch`: `--cpu-steps torch`, the default mode's packed bfloat16 copies for steps of 128 rows or more;
 - `native int16`: the native step with int8 x off (every row int16);
 - `native`: the worker's default (worker/runtime/long_prompts.py: every row but the sampled one on int8 x
-  where the CPU has no AMX tiles).
+  where the CPU has no AMX tiles);
+- with `--baseline REV`, `REV native`: the same with REV's worker/native sources (bench/engine/native_baseline.py),
+  its first-token logits and its final K/V pool compared with this tree's bit for bit.
 
 It prints each path's seconds per prompt (the sum of its chunks' steps; median of the rounds) and the native
 paths' phase clock (worker/runtime/native_step.PHASES), and how far each path's first-token logits are
@@ -32,6 +34,7 @@ import time
 
 import torch
 
+from bench.engine.native_baseline import baseline_library
 from bench.engine.native_families import SHAPES, random_weights
 from bench.engine.quality import cpu_model
 from bench.engine.random_models import write_hf_dir
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--chunk", type=int, default=512, help="tokens a step (the worker's --step-tokens)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", help="a git revision whose worker/native sources to compare with")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as directory:
@@ -61,21 +65,25 @@ def main() -> None:
         torch_backend = select_backend(load_model(path, device="cpu", cpu_steps="torch"), max_threads=threads)
         native_backend = select_backend(load_model(path, device="cpu"), max_threads=threads)
         native = native_backend.native
+        ours = native.library
         paths = {
-            "torch": (torch_backend, None),
-            "native int16": (native_backend, 0),
-            "native": (native_backend, native.struct.int8_from_rows),
+            "torch": (torch_backend, None, None),
+            "native int16": (native_backend, 0, ours),
+            "native": (native_backend, native.struct.int8_from_rows, ours),
         }
+        if args.baseline:
+            theirs = baseline_library(args.baseline, pathlib.Path(directory))
+            paths[f"{args.baseline} native"] = (native_backend, native.struct.int8_from_rows, theirs)
         prompt = torch.randint(3, 1000, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
         pages = list(range(-(-args.tokens // PAGE)))
         times = {name: [] for name in paths}
         phases = {name: torch.zeros(len(PHASES), dtype=torch.float64) for name in paths}
-        logits = {}
+        logits, pools = {}, {}
         for round_ in range(args.rounds + 1):  # round 0 warms up
-            for name, (backend, int8_from_rows) in paths.items():
+            for name, (backend, int8_from_rows, library) in paths.items():
                 kv = allocate_kv(backend.config, num_pages=len(pages), page_size=PAGE, dtype=torch.bfloat16)
-                if int8_from_rows is not None:
-                    native.struct.int8_from_rows = int8_from_rows
+                if library is not None:
+                    native.library, native.struct.int8_from_rows = library, int8_from_rows
                     native.phase_seconds = phases[name] if round_ else None
                 started = time.perf_counter()
                 for start in range(0, args.tokens, args.chunk):
@@ -84,9 +92,11 @@ def main() -> None:
                     out = backend.forward(batch, kv)
                 if round_:
                     times[name].append(time.perf_counter() - started)
-                logits[name] = out[0]
-        native.phase_seconds = None
+                logits[name], pools[name] = out[0], kv
+        native.library, native.phase_seconds = ours, None
     report(args, times, phases, logits)
+    if args.baseline:
+        compare_bits(logits, pools, "native", f"{args.baseline} native")
 
 
 def report(args, times, phases, logits) -> None:
@@ -99,10 +109,23 @@ def report(args, times, phases, logits) -> None:
         kl = float((base.exp() * (base - other)).sum())
         same = bool(logits[name].argmax() == logits["torch"].argmax())
         print(f"{name:14s} {statistics.median(seconds):7.2f} s   first token vs torch: KL {kl:.2g}, same top {same}")
-    print(f"\n{'ms per prompt':28s}{'native int16':>14s}{'native':>14s}")
+    native_paths = [name for name in phases if name != "torch"]
+    print(f"\n{'ms per prompt':28s}" + "".join(f"{name[-20:]:>22s}" for name in native_paths))
     for index, phase in enumerate(PHASES):
-        row = "".join(f"{phases[name][index].item() * 1e3 / args.rounds:14.0f}" for name in ("native int16", "native"))
+        row = "".join(f"{phases[name][index].item() * 1e3 / args.rounds:22.0f}" for name in native_paths)
         print(f"{phase[:28]:28s}{row}")
+
+
+def compare_bits(logits, pools, ours: str, theirs: str) -> None:
+    """Whether two libraries computed the same prompt alike: first-token logits and every K/V they wrote."""
+    for what, a, b in (
+        ("first-token logits", logits[ours], logits[theirs]),
+        ("K pool", pools[ours].k, pools[theirs].k),
+        ("V pool", pools[ours].v, pools[theirs].v),
+    ):
+        same = torch.equal(a, b)
+        detail = "bit-identical" if same else f"max |diff| {(a.float() - b.float()).abs().max():.3g}"
+        print(f"{what}, {ours} vs {theirs}: {detail}")
 
 
 if __name__ == "__main__":

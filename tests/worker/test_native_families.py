@@ -154,6 +154,32 @@ def test_a_short_greedy_run_gives_the_torch_paths_tokens(backends) -> None:
         assert _greedy(native, prompt)[0] == want, (name, seed)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "mistral-window", "gemma3"])
+def test_a_prompts_rows_in_tiles_give_what_decoding_them_one_by_one_gives(name: str, tmp_path: pathlib.Path) -> None:
+    """A prompt chunk's attention runs a tile of rows at a time (worker/native/prompt_attention.h), a decode's
+    row by row: in the invariant mode the two agree bit for bit, over tiles cut at any row, key blocks
+    cut at any key and windows shorter than the prompt."""
+    directory = make_family_model(_spec(name), tmp_path)
+    loaded = load_model(str(directory), dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")
+    native = select_backend(loaded, max_threads=torch.get_num_threads())
+    assert isinstance(native, CpuNativeBackend)
+    prompt = [random.Random(2).randrange(native.config.vocab_size) for _ in range(45)]
+    pages = list(range(12))
+
+    def run(cuts: list[int]) -> tuple[torch.Tensor, PagedKV]:
+        kv = _kv(native)
+        for start, end in itertools.pairwise([0, *cuts, len(prompt)]):
+            logits = native.forward(make_batch([Chunk(prompt[start:end], start, pages)], PAGE), kv)
+        return logits, kv
+
+    whole, whole_kv = run([])  # tiles of 16 rows: 16, 16, 13
+    for cuts in ([3, 20, 21, 37], list(range(1, len(prompt)))):  # tiles cut elsewhere; every row alone
+        logits, kv = run(cuts)
+        assert torch.equal(logits, whole), (name, cuts)
+        assert torch.equal(kv.k, whole_kv.k) and torch.equal(kv.v, whole_kv.v), (name, cuts)
+    assert native.served["torch"] == 0
+
+
 def test_a_mixture_of_experts_is_refused_with_its_reason(tmp_path: pathlib.Path) -> None:
     spec = FAMILY_BY_NAME["mixtral"]
     spec = TinyFamily(spec.name, spec.model_class, {**spec.config, **NATIVE_SHAPE}, spec.gguf_arch)

@@ -251,6 +251,20 @@ inline void prefetch_key(const uint16_t* key) {
   for (int64_t line = 0; line < Bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(key) + line, _MM_HINT_T1);
 }
 
+// Scores row[0, count) become e^(score - their max) in place, and zeros up to the next multiple of 16;
+// returns 1 / their sum.
+inline float exp_row(float* row, int64_t count) {
+  const float top = row_max(row, count);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t = 0; t < count; t += 16) {
+    const __mmask16 live = count - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - t)) - 1);
+    __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), _mm512_set1_ps(top))));
+    _mm512_storeu_ps(row + t, p);
+    total = _mm512_add_ps(total, p);
+  }
+  return 1.f / _mm512_reduce_add_ps(total);
+}
+
 // G query heads (of one KV head, in one sequence) against keys [first, context) in one layer's pool.
 // C = head_dim / 16 and G are compile-time, so the accumulators stay in registers.
 template <int C, int G>
@@ -293,18 +307,7 @@ void attend_heads(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t*
     }
   }
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* row = scores.data() + g * padded;
-    const float top = row_max(row, count);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < count; t += 16) {
-      const __mmask16 live = count - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - t)) - 1);
-      __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), _mm512_set1_ps(top))));
-      _mm512_storeu_ps(row + t, p);
-      total = _mm512_add_ps(total, p);
-    }
-    inv_sum[g] = 1.f / _mm512_reduce_add_ps(total);
-  }
+  for (int g = 0; g < G; ++g) inv_sum[g] = exp_row(scores.data() + g * padded, count);
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -358,6 +361,10 @@ void attend(const Model& m, const Step& s, int64_t layer, const float* q, float*
   }
 }
 
+inline float* align64(float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63}); }
+
+#include "prompt_attention.h"
+
 struct Buffers {
   std::vector<float> hidden, normed, qkv, attention, gate_up, out, cos, sin;
   std::vector<int16_t> q;
@@ -376,6 +383,7 @@ struct Buffers {
   std::vector<uint16_t> bf16;
   std::vector<float> bf16_sum;
   Bf16Rows bf16_rows;  // x for AMX
+  std::vector<int64_t> tiles;  // a prompt step's rows in tiles (prompt_attention.h): tile i is rows [tiles[i], tiles[i + 1])
 
   Buffers(const Model& m, const Step& s, int threads) {
     const int64_t rows = s.rows;
@@ -411,6 +419,7 @@ struct Buffers {
         own_rows.push_back(QuantizedRows{own_q.data() + t * rows * widest, own_scale.data() + t * rows * widest / kGroup,
                                          own_sum.data() + t * rows * widest / kGroup, widest});
     }
+    if (!s.one_row_per_sequence) tiles = row_tiles(s, std::max<int64_t>(1, kTileQueries / (m.heads / m.kv_heads)));
     if (amx) {
       const int64_t padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
       bf16.resize(padded * widest);
@@ -538,7 +547,8 @@ void place_heads(const Model& m, const Step& s, int64_t index, Buffers& b, int64
   }
 }
 
-void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::vector<float>& scores, PhaseClock& clock) {
+void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::vector<float>& scores, TileScratch& tile_scratch,
+                PhaseClock& clock) {
   const LayerWeights& w = m.layer[index];
   const int64_t rows = s.rows, hd = m.head_dim, kvh = m.kv_heads;
   const int64_t q_size = m.heads * hd, qkv_n = q_size + 2 * kvh * hd;
@@ -558,15 +568,22 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
 #pragma omp barrier
   }
   clock.mark(3);
-  // A decode's tasks in contiguous shares; a prompt's dealt round the team (its later rows attend to more
-  // keys: in contiguous shares the thread with its first rows would idle, half the time for a first chunk).
-  share(rows * kvh, begin, end);
-  const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-  const int64_t first_task = placed_by_task ? begin : me, end_task = placed_by_task ? end : rows * kvh, stride = placed_by_task ? 1 : team;
-  for (int64_t task = first_task; task < end_task; task += stride) {
-    const int64_t r = task / kvh, h = task % kvh, group = m.heads / kvh;
-    if (placed_by_task) place_heads(m, s, index, b, r, h);
-    attend(m, s, index, b.qkv.data() + r * qkv_n + h * group * hd, b.attention.data() + r * q_size + h * group * hd, r, h, scores);
+  // A decode's (row, KV head) tasks in contiguous shares; a prompt's (tile of rows, KV head) tasks dealt
+  // round the team (its later rows attend to more keys: in contiguous shares the thread with its first
+  // rows would idle, half the time for a first chunk).
+  if (placed_by_task) {
+    share(rows * kvh, begin, end);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kvh, h = task % kvh, group = m.heads / kvh;
+      place_heads(m, s, index, b, r, h);
+      attend(m, s, index, b.qkv.data() + r * qkv_n + h * group * hd, b.attention.data() + r * q_size + h * group * hd, r, h, scores);
+    }
+  } else {
+    const int64_t tasks = (static_cast<int64_t>(b.tiles.size()) - 1) * kvh;
+    for (int64_t task = omp_get_thread_num(); task < tasks; task += omp_get_num_threads()) {
+      const int64_t* tile = b.tiles.data() + task / kvh;
+      attend_rows(m, s, index, b.qkv.data(), b.attention.data(), tile[0], tile[1] - tile[0], task % kvh, scores, tile_scratch);
+    }
   }
 #pragma omp barrier
   clock.mark(4);
@@ -612,8 +629,9 @@ void prepare_rows(const Model& m, const Step& s, Buffers& b) {
 void run_step(const Model& m, const Step& s, Buffers& b) {
   if (b.amx) configure_tiles(s.rows);
   std::vector<float> scores;
+  TileScratch tile_scratch;
   PhaseClock clock(s.phase_seconds);
-  for (int64_t index = 0; index < m.layers; ++index) layer_step(m, s, index, b, scores, clock);
+  for (int64_t index = 0; index < m.layers; ++index) layer_step(m, s, index, b, scores, tile_scratch, clock);
   int64_t begin, end;
   share(s.logit_count, begin, end);
   // A prompt chunk's one row: VNNI; a head in its file's blocks: VNNI always (tiles read int8 heads only).
