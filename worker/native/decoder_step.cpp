@@ -30,7 +30,8 @@
 // rows take it (worker/runtime/long_prompts.py); a decode of one sequence stays int16 whatever its load.
 //
 // Attention reads K/V in place from the paged pool (bfloat16 [pages, page_size, kv_heads, head_dim] per
-// layer), one (sequence, KV head) at a time with its query heads together: scores, softmax, values.
+// layer), one (sequence, KV head) at a time with its query heads together: scores, softmax, values; a
+// prompt chunk's rows a tile at a time (prompt_attention.h), with the same arithmetic.
 //
 // Threads: one OpenMP team for the whole step; each phase splits its work statically over the team
 // and ends at a barrier. A step of a few rows has five barriers a layer, not ten: every thread
