@@ -149,10 +149,11 @@ inline void value_block(const float* vf, int64_t hd, const float* const* p, int6
 // Per-thread scratch of the tiled attention (reused across tasks and layers).
 struct TileScratch {
   std::vector<float> scores, keys, values, acc, inv_sum;
-  std::vector<const float*> queries;
+  std::vector<const float*> queries, p;  // each query's q, and its p at the block of values in hand
+  std::vector<float*> sums;              // each query's accumulator row in acc
 };
 
-// Groups of up to 4 queries at a time: f.template operator()<N>(first, ...) for each group.
+// count queries in groups of 4 (and one of the rest): f(integral_constant<int, N>, first) for each group.
 template <typename F>
 inline void in_fours(int64_t count, F&& f) {
   int64_t i = 0;
@@ -184,6 +185,8 @@ void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv,
   x.acc.assign(queries * hd, 0.f);
   x.inv_sum.resize(queries);
   x.queries.resize(queries);
+  x.p.resize(queries);
+  x.sums.resize(queries);
   float* kt = align64(x.keys.data());
   float* vf = align64(x.values.data());
   for (int64_t i = 0; i < n; ++i)
@@ -206,8 +209,7 @@ void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv,
       std::fill(row + own_first + own_count, row + padded, 0.f);
     }
   }
-  std::vector<const float*> p(queries);
-  std::vector<float*> acc(queries);
+  for (int64_t q = 0; q < queries; ++q) x.sums[q] = x.acc.data() + q * hd;
   KeyWalk values_at(pages, s.page_size, token_stride, first);
   for (int64_t t0 = 0; t0 < count; t0 += kValueBlock) {
     const int64_t keys = std::min(kValueBlock, count - t0);
@@ -215,9 +217,9 @@ void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv,
       const uint16_t* value = v_pool + values_at.next();
       for (int c = 0; c < C; ++c) _mm512_store_ps(vf + t * hd + c * 16, load_bf16(value + c * 16));
     }
-    for (int64_t q = 0; q < queries; ++q) p[q] = x.scores.data() + q * stride + t0, acc[q] = x.acc.data() + q * hd;
+    for (int64_t q = 0; q < queries; ++q) x.p[q] = x.scores.data() + q * stride + t0;
     for (int c0 = 0; c0 < C; c0 += 4)
-      in_fours(queries, [&](auto size, int64_t q0) { value_block<decltype(size)::value>(vf, hd, p.data() + q0, keys, c0, acc.data() + q0); });
+      in_fours(queries, [&](auto size, int64_t q0) { value_block<decltype(size)::value>(vf, hd, x.p.data() + q0, keys, c0, x.sums.data() + q0); });
   }
   for (int64_t i = 0; i < n; ++i)
     for (int64_t g = 0; g < group; ++g) {
