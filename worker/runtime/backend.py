@@ -136,10 +136,8 @@ def build_step_batch(
         if item.samples:
             logits_indices.append(len(input_ids) - 1)
     max_pages = -(-max(context_lens) // page_size)
-    page_tables = torch.zeros((len(scheduled), max_pages), dtype=torch.int64)
-    for row, item in enumerate(scheduled):
-        pages = item.seq.pages[:max_pages]
-        page_tables[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+    tables = [item.seq.pages[:max_pages] for item in scheduled]
+    page_tables = torch.tensor([pages + [0] * (max_pages - len(pages)) for pages in tables], dtype=torch.int64)
     return StepBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device),
         positions=torch.tensor(positions, dtype=torch.int64).to(device),
