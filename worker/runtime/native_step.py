@@ -417,13 +417,13 @@ class NativeSteps:
         if not (k.is_contiguous() and v.is_contiguous()):
             raise ValueError("the native step needs a contiguous KV pool")
         rows = batch.input_ids.numel()
-        ids, positions, slots, logit_rows = map(
-            _int64, (batch.input_ids, batch.positions, batch.slots, batch.logits_indices)
+        ids, positions, slots = (
+            t.to(torch.int64).contiguous() for t in (batch.input_ids, batch.positions, batch.slots)
         )
         contexts = positions + 1
-        page_tables = _int64(batch.page_tables)  # a row per sequence: a decode's rows are its sequences
-        if not batch.is_decode_only:
-            page_tables = page_tables.repeat_interleave(torch.tensor(batch.query_lens), dim=0)
+        sequence_of_row = torch.repeat_interleave(torch.arange(len(batch.query_lens)), torch.tensor(batch.query_lens))
+        page_tables = batch.page_tables.to(torch.int64)[sequence_of_row].contiguous()
+        logit_rows = batch.logits_indices.to(torch.int64).contiguous()
         logits = torch.empty(logit_rows.numel(), self.head_rows, dtype=torch.float32)
         step = StepStruct(
             rows=rows, ids=ids.data_ptr(), positions=positions.data_ptr(), slots=slots.data_ptr(),
@@ -444,13 +444,6 @@ class NativeSteps:
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
-
-
-def _int64(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as the step reads it, contiguous int64: as a StepBatch holds it already, so most often
-    itself. Each torch operator here costs tens of microseconds after a step has streamed the weights
-    through the caches (bench/engine/engine_overhead.py: "forward (Python)"), so none runs for nothing."""
-    return tensor if tensor.dtype == torch.int64 and tensor.is_contiguous() else tensor.to(torch.int64).contiguous()
 
 
 def _in_dtype(value: float, dtype: torch.dtype) -> float:
