@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from bench.engine.native_baseline import baseline_library
+from bench.engine.native_baseline import baseline_library, bit_difference
 from bench.engine.native_families import SHAPES, random_weights
 from bench.engine.quality import cpu_model
 from bench.engine.random_models import write_hf_dir
@@ -123,9 +123,7 @@ def compare_bits(logits, pools, ours: str, theirs: str) -> None:
         ("K pool", pools[ours].k, pools[theirs].k),
         ("V pool", pools[ours].v, pools[theirs].v),
     ):
-        same = torch.equal(a, b)
-        detail = "bit-identical" if same else f"max |diff| {(a.float() - b.float()).abs().max():.3g}"
-        print(f"{what}, {ours} vs {theirs}: {detail}")
+        print(f"{what}, {ours} vs {theirs}: {bit_difference(a, b)}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import ctypes
 import pathlib
 import subprocess
 
+import torch
+
 from worker.native import build
 from worker.runtime.native_step import ModelStruct, StepStruct
 
@@ -25,3 +27,10 @@ def baseline_library(revision: str, directory: pathlib.Path) -> ctypes.CDLL:
     loaded.lmq_step.restype = ctypes.c_int
     loaded.lmq_linear.restype = ctypes.c_int
     return loaded
+
+
+def bit_difference(ours: torch.Tensor, theirs: torch.Tensor) -> str:
+    """How two libraries' outputs of the same step compare: "bit-identical", or their largest difference."""
+    if torch.equal(ours, theirs):
+        return "bit-identical"
+    return f"max |diff| {(ours.float() - theirs.float()).abs().max():.3g}"

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from bench.engine.native_baseline import baseline_library
+from bench.engine.native_baseline import baseline_library, bit_difference
 from bench.engine.native_families import SHAPES, random_weights
 from bench.engine.quality import cpu_model
 from bench.engine.random_models import write_hf_dir
@@ -125,11 +125,7 @@ def report(libraries, rows_list, times, phases, logits, args) -> None:
     for rows in rows_list:
         first = logits[(names[0], rows)]
         for name in names[1:]:
-            other = logits[(name, rows)]
-            same = torch.equal(first, other)
-            print(
-                f"x{rows} logits, {names[0]} vs {name}: {'bit-identical' if same else f'max |diff| {(first - other).abs().max():.3g}'}"
-            )
+            print(f"x{rows} logits, {names[0]} vs {name}: {bit_difference(first, logits[(name, rows)])}")
 
 
 if __name__ == "__main__":

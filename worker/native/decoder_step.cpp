@@ -362,8 +362,6 @@ void attend(const Model& m, const Step& s, int64_t layer, const float* q, float*
   }
 }
 
-inline float* align64(float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63}); }
-
 #include "prompt_attention.h"
 
 struct Buffers {
@@ -551,8 +549,7 @@ void place_heads(const Model& m, const Step& s, int64_t index, Buffers& b, int64
 void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::vector<float>& scores, TileScratch& tile_scratch,
                 PhaseClock& clock) {
   const LayerWeights& w = m.layer[index];
-  const int64_t rows = s.rows, hd = m.head_dim, kvh = m.kv_heads;
-  const int64_t q_size = m.heads * hd, qkv_n = q_size + 2 * kvh * hd;
+  const int64_t rows = s.rows, kvh = m.kv_heads, q_size = m.heads * m.head_dim;
   int64_t begin, end;
 
   encode_rows(b.hidden.data(), rows, m.hidden, w.input_norm, m.eps, b);
@@ -575,9 +572,9 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
   if (placed_by_task) {
     share(rows * kvh, begin, end);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kvh, h = task % kvh, group = m.heads / kvh;
+      const int64_t r = task / kvh, h = task % kvh;
       place_heads(m, s, index, b, r, h);
-      attend(m, s, index, b.qkv.data() + r * qkv_n + h * group * hd, b.attention.data() + r * q_size + h * group * hd, r, h, scores);
+      attend_rows(m, s, index, b.qkv.data(), b.attention.data(), r, 1, h, scores, tile_scratch);
     }
   } else {
     const int64_t tasks = (static_cast<int64_t>(b.tiles.size()) - 1) * kvh;

@@ -128,29 +128,29 @@ inline void score_block(const float* kt, const float* const* q, Scoring scoring,
   }
 }
 
-// N accumulators' worth of p * v: queries [0, N) x value chunks [c0, c0 + 4) over keys [0, keys) of vf.
+// N accumulators' worth of p * v: queries [0, N) x value chunks [c0, c0 + 4) over keys [0, keys) of vf;
+// query n's p at p + n * p_stride, its sums at acc + n * hd.
 template <int N>
-inline void value_block(const float* vf, int64_t hd, const float* const* p, int64_t keys, int c0, float* const* acc) {
+inline void value_block(const float* vf, int64_t hd, const float* p, int64_t p_stride, int64_t keys, int c0, float* acc) {
   __m512 sum[N][4];
   for (int n = 0; n < N; ++n)
-    for (int c = 0; c < 4; ++c) sum[n][c] = _mm512_loadu_ps(acc[n] + (c0 + c) * 16);
+    for (int c = 0; c < 4; ++c) sum[n][c] = _mm512_loadu_ps(acc + n * hd + (c0 + c) * 16);
   for (int64_t t = 0; t < keys; ++t) {
     __m512 v[4];
     for (int c = 0; c < 4; ++c) v[c] = _mm512_load_ps(vf + t * hd + (c0 + c) * 16);
     for (int n = 0; n < N; ++n) {
-      const __m512 pn = _mm512_set1_ps(p[n][t]);
+      const __m512 pn = _mm512_set1_ps(p[n * p_stride + t]);
       for (int c = 0; c < 4; ++c) sum[n][c] = _mm512_fmadd_ps(pn, v[c], sum[n][c]);
     }
   }
   for (int n = 0; n < N; ++n)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc[n] + (c0 + c) * 16, sum[n][c]);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + n * hd + (c0 + c) * 16, sum[n][c]);
 }
 
-// Per-thread scratch of the tiled attention (reused across tasks and layers).
+// Per-thread scratch of the tiled attention (reused across tasks and layers), sized by the tile's keys.
 struct TileScratch {
-  std::vector<float> scores, keys, values, acc, inv_sum;
-  std::vector<const float*> queries, p;  // each query's q, and its p at the block of values in hand
-  std::vector<float*> sums;              // each query's accumulator row in acc
+  std::vector<float> scores, acc, inv_sum;
+  std::vector<const float*> queries;  // each query's q (its row's, at its head)
 };
 
 // count queries in groups of 4 (and one of the rest): f(integral_constant<int, N>, first) for each group.
@@ -180,15 +180,11 @@ void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv,
   const int64_t first = first_of(r0), count = s.contexts[r0 + n - 1] - first;
   const int64_t padded = (count + 15) / 16 * 16, stride = padded + 16;  // exp_row may write up to 15 floats past a row's keys
   x.scores.resize(queries * stride);
-  x.keys.resize(hd * 16 + 16);
-  x.values.resize(kValueBlock * hd + 16);
   x.acc.assign(queries * hd, 0.f);
   x.inv_sum.resize(queries);
   x.queries.resize(queries);
-  x.p.resize(queries);
-  x.sums.resize(queries);
-  float* kt = align64(x.keys.data());
-  float* vf = align64(x.values.data());
+  alignas(64) float kt[hd * 16];           // a block of 16 keys, transposed
+  alignas(64) float vf[kValueBlock * hd];  // a block of values, widened
   for (int64_t i = 0; i < n; ++i)
     for (int64_t g = 0; g < group; ++g) x.queries[i * group + g] = qkv + (r0 + i) * qkv_n + (h * group + g) * hd;
 
@@ -209,7 +205,6 @@ void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv,
       std::fill(row + own_first + own_count, row + padded, 0.f);
     }
   }
-  for (int64_t q = 0; q < queries; ++q) x.sums[q] = x.acc.data() + q * hd;
   KeyWalk values_at(pages, s.page_size, token_stride, first);
   for (int64_t t0 = 0; t0 < count; t0 += kValueBlock) {
     const int64_t keys = std::min(kValueBlock, count - t0);
@@ -217,9 +212,10 @@ void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv,
       const uint16_t* value = v_pool + values_at.next();
       for (int c = 0; c < C; ++c) _mm512_store_ps(vf + t * hd + c * 16, load_bf16(value + c * 16));
     }
-    for (int64_t q = 0; q < queries; ++q) x.p[q] = x.scores.data() + q * stride + t0;
     for (int c0 = 0; c0 < C; c0 += 4)
-      in_fours(queries, [&](auto size, int64_t q0) { value_block<decltype(size)::value>(vf, hd, x.p.data() + q0, keys, c0, x.sums.data() + q0); });
+      in_fours(queries, [&](auto size, int64_t q0) {
+        value_block<decltype(size)::value>(vf, hd, x.scores.data() + q0 * stride + t0, stride, keys, c0, x.acc.data() + q0 * hd);
+      });
   }
   for (int64_t i = 0; i < n; ++i)
     for (int64_t g = 0; g < group; ++g) {
@@ -230,7 +226,7 @@ void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv,
     }
 }
 
-// A tile of rows x KV head h: attend_tile where the tile has rows to share its keys, else attend() row by row.
+// A tile of rows x KV head h: attend_tile where the tile has rows to share its keys, else attend() (a decode's row).
 void attend_rows(const Model& m, const Step& s, int64_t layer, const float* qkv, float* out, int64_t r0, int64_t n, int64_t h,
                  std::vector<float>& scores, TileScratch& x) {
   const int64_t hd = m.head_dim, group = m.heads / m.kv_heads, q_size = m.heads * hd, qkv_n = q_size + 2 * m.kv_heads * hd;
