@@ -112,7 +112,8 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Mo
 class TieredLinear(torch.nn.Module):
     """`small` (quantized) for inputs of fewer than `dense_from_rows` rows, `dense` (packed) for the others.
 
-    Both hold the same weights: `dense` is the dequantized copy of `small`'s blocks.
+    `dense` holds the checkpoint's own values in the dtype (a GGUF file's blocks dequantized); `small` their int4 or
+    int8 form, the same values where the file's blocks are 4-bit with fp16 scales (Q4_0, Q4_1).
     """
 
     def __init__(self, small: torch.nn.Module, dense: torch.nn.Module, dense_from_rows: int) -> None:

@@ -15,7 +15,7 @@ from worker.model.quant_linear import (
     int4_supported,
     quantize_int4,
 )
-from worker.model.weights import Int4Blocks, WeightMap
+from worker.model.weights import Int4Blocks, TensorSource, WeightMap
 
 
 class WeightBuilder:
@@ -59,8 +59,8 @@ class WeightBuilder:
         shape = (sum(source.shape[0] for source in sources), sources[0].shape[1])
         if self.quant == "int4" and int4_supported(shape, self.device):
             blocks = Int4Blocks.cat([source.int4() or quantize_int4(source.load()) for source in sources])
-            return self._tiered(Int4Linear(blocks, bias, self.dtype), blocks.dequantize, bias)
-        weight = torch.cat([source.load() for source in sources])
+            return self._tiered(Int4Linear(blocks, bias, self.dtype), lambda: _own_values(sources), bias)
+        weight = _own_values(sources)
         if self.quant in ("int8", "int4"):
             return self._tiered(Int8Linear(weight, bias, self.dtype).to(self.device), lambda: weight, bias)
         return DenseLinear(weight.to(device=self.device, dtype=self.dtype), bias)
@@ -84,3 +84,10 @@ class WeightBuilder:
         if not names or names[0] not in self.weights:
             return None
         return torch.cat([self.tensor(name) for name in names])
+
+
+def _own_values(sources: list[TensorSource]) -> torch.Tensor:
+    """The checkpoint's own values of a (fused) linear: what a dense copy holds. Not the int4 tier's blocks: a GGUF
+    matrix in more than 4 bits (Q5_0, Q6_K, Q8_0) has none, and their re-quantization would lose what the file
+    kept on every long prompt (the native step reads the same files' blocks as they are)."""
+    return torch.cat([source.load() for source in sources])

@@ -82,3 +82,25 @@ def test_the_tiered_head_builds_where_onednn_has_no_bfloat16_path(monkeypatch: p
     x = torch.randn(8, 32).to(torch.bfloat16)
     assert torch.equal(head(x), F.linear(x, weight.to(torch.bfloat16)))
     assert not dense_copies_fit(torch.bfloat16, 1)
+
+
+def test_a_long_prompts_dense_copy_holds_the_files_own_values_not_an_int4_requantization() -> None:
+    """A matrix the file keeps in more than 4 bits (a Q4_K_M file's Q5_0, Q6_K and Q8_0 ones) has no int4 blocks, so
+    the torch path's small tier re-quantizes it to int4; the dense copy that long prompts run on (on a CPU with
+    AMX: steps of DENSE_FROM_ROWS rows or more, docs/models.md) is the file's own values in the dtype, as the
+    native step that serves the same model's other steps reads them, not that re-quantization."""
+    from worker.model.weight_builder import WeightBuilder
+    from worker.model.weights import TensorSource
+
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    builder = WeightBuilder(
+        {"w": TensorSource(shape=(64, 64), load=lambda: weight.clone())},
+        torch.bfloat16,
+        "int4",
+        torch.device("cpu"),
+        dense_from_rows=4,
+    )
+    linear = builder.linear(["w"])
+    assert isinstance(linear, TieredLinear) and isinstance(linear.small, Int4Linear)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(linear(x), F.linear(x, weight.to(torch.bfloat16)))
