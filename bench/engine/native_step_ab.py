@@ -46,6 +46,7 @@ PAGE = 16
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--model", help="a GGUF file instead of the shape (bench/service/shapes.py writes them)")
     parser.add_argument("--baseline", help="a git revision whose worker/native sources to compare with")
     parser.add_argument("--int16", action="store_true", help="also this tree with int8 x off (every step int16 x)")
     parser.add_argument(
@@ -59,9 +60,12 @@ def main() -> None:
         "--threads", type=int, default=torch.get_num_threads(), help="the step's team (1: timed by CPU time)"
     )
     args = parser.parse_args()
-    config = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as directory:
-        path = write_hf_dir(pathlib.Path(directory) / "model", config, random_weights(config))
+        if args.model:
+            path, args.shape = args.model, pathlib.Path(args.model).name
+        else:
+            config = SHAPES[args.shape]
+            path = write_hf_dir(pathlib.Path(directory) / "model", config, random_weights(config))
         loaded = load_model(str(path), device="cpu")
         backend = select_backend(loaded, max_threads=torch.get_num_threads())
         assert isinstance(backend, CpuNativeBackend), "the native step does not serve this shape"
@@ -111,7 +115,7 @@ def run(backend: CpuNativeBackend, libraries: dict[str, ctypes.CDLL], rows_list:
 
 def report(libraries, rows_list, times, phases, logits, args) -> None:
     cpu = cpu_model()
-    print(f"\n{args.shape}, random weights, default CPU mode, {args.threads} threads, {cpu}")
+    print(f"\n{args.shape}, default CPU mode, {args.threads} threads, {cpu}")
     print(
         f"decode steps at context {args.context}, median of {args.rounds} rounds x {args.steps} steps; load {os.getloadavg()}"
     )
