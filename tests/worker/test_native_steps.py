@@ -5,9 +5,9 @@ bfloat16/int4 (tests/worker/model/test_reference.py, whose teacher forcing is on
 decode steps too. Its rows never share arithmetic; in the invariant mode (cpu_steps="invariant": every
 step on VNNI) a sequence's logits are bit-identical whatever it is batched with, however its prompt is
 chunked, and on any thread count. The default mode runs steps of AMX_FROM_ROWS rows and more on AMX
-tiles where the CPU has them: close to VNNI's, and invariant among such steps; elsewhere steps of
-INT8_FROM_ROWS rows and more on int8 x (held to the same quality bar) wherever they sample no prompt's last
-row: batched decodes, a long prompt's chunks but the row that gives its first token.
+tiles where the CPU has them: close to VNNI's, and invariant among such steps; below them (or on every CPU
+without tiles) steps of INT8_FROM_ROWS rows and more on int8 x (held to the same quality bar) wherever they
+sample no prompt's last row: batched decodes, a long prompt's chunks but the row that gives its first token.
 """
 
 from __future__ import annotations
@@ -97,8 +97,6 @@ def test_native_steps_stay_close_to_float32(int4_model: CpuNativeBackend, defaul
 def test_decodes_on_int8_x_stay_close_to_float32(int4_model: CpuNativeBackend, default_model: LoadedModel) -> None:
     """The int8 tier under the bar of every bfloat16/int4 step, teacher-forced: the prompt as a prompt (int16 x),
     each reference token a decode on int8 x (forced on for the 5 cases' 5-row steps)."""
-    if _tiles_here(int4_model):
-        pytest.skip("steps of 6 rows or more run on AMX tiles on this CPU")
     reference = load_reference()
     base = chat_logits(default_model, reference["chat"])
     native = int4_model.native
@@ -182,11 +180,24 @@ def test_thread_count_does_not_change_the_logits(int4_model: CpuNativeBackend, p
         assert torch.equal(one, two), len(rows)
 
 
-# The default mode's tiers for large steps: (the struct's field, its value, whether this CPU runs it, a
-# step of its smallest size and one of 16 rows holding sequence 2).
+# The default mode's tiers for large steps: (the struct's field, its value, whether it needs AMX tiles, a decode
+# on the tier, and other steps on it holding sequence 2: one of the tier's smallest size and a larger one). On a
+# CPU with tiles int8 x serves the steps below them.
 LARGE_STEP_TIERS = {
-    "AMX tiles": ("amx_from_rows", AMX_FROM_ROWS, True, ([2, 0, 1, 3, 4, 4], [4, 3, 2, 1, 0] * 3 + [2])),
-    "int8 x": ("int8_from_rows", INT8_FROM_ROWS, False, ([2, 0, 1, 3, 4], [4, 3, 2, 1, 0] * 3 + [2])),
+    "AMX tiles": (
+        "amx_from_rows",
+        AMX_FROM_ROWS,
+        True,
+        [0, 1, 2, 3, 4] * 3,
+        ([2, 0, 1, 3, 4, 4] + [0, 1, 3, 4] * 2, [4, 3, 2, 1, 0] * 3 + [2]),
+    ),
+    "int8 x": (
+        "int8_from_rows",
+        INT8_FROM_ROWS,
+        False,
+        [0, 1, 2, 3, 4] * 2,
+        ([2, 0, 1, 3, 4], [4, 3, 2, 1, 0] * 2 + [2]),
+    ),
 }
 
 
@@ -194,30 +205,30 @@ LARGE_STEP_TIERS = {
 def test_a_tier_of_large_steps_stays_close_to_int16_x_and_invariant_among_its_steps(
     int4_model: CpuNativeBackend, prefilled, tier: str
 ) -> None:
-    """A 10-row decode on the tier against the same step on int16 x (the tier off): it ran, it is close, and
-    a row's logits are the same in any step of the tier (a row's products are its own)."""
-    field, value, on_tiles, others = LARGE_STEP_TIERS[tier]
-    if _tiles_here(int4_model) != on_tiles:
+    """A decode on the tier against the same step on int16 x (every tier off): it ran, it is close, and a row's
+    logits are the same in any step of the tier (a row's products are its own); a step one row smaller is not on it."""
+    field, value, needs_tiles, rows, others = LARGE_STEP_TIERS[tier]
+    if needs_tiles and not _tiles_here(int4_model):
         pytest.skip(f"{tier} do not serve this CPU's large steps")
     kv, prompts = prefilled
     assert getattr(int4_model.native.struct, field) == value
-    rows = [0, 1, 2, 3, 4] * 2
     on_tier = _decode_logits(int4_model, kv, prompts, rows)
-    int16 = _decode_logits_with(int4_model, kv, prompts, rows, **{field: 0})
+    int16 = _decode_logits_with(int4_model, kv, prompts, rows, amx_from_rows=0, int8_from_rows=0)
     assert not torch.equal(on_tier, int16), f"{tier} ran"
     assert _max_kl(int16, on_tier) < 0.02
     for step in others:
         batched = _decode_logits(int4_model, kv, prompts, step)
         assert torch.equal(batched[step.index(2)], on_tier[2]), len(step)
-    # one row fewer than the tier's: int16 x, as alone
-    assert torch.equal(_decode_logits(int4_model, kv, prompts, rows[: value - 1])[2], int16[2])
+    smaller = rows[: value - 1]
+    assert torch.equal(
+        _decode_logits(int4_model, kv, prompts, smaller),
+        _decode_logits_with(int4_model, kv, prompts, smaller, **{field: 0}),
+    )
 
 
 def test_a_prompt_row_among_decodes_keeps_the_step_on_int16_x(int4_model: CpuNativeBackend, prefilled) -> None:
     """A prompt whose one row this step is its last token (the rest cached, or its last chunk one token long)
     is batched like a decode, but that row gives the answer's first token: the whole step stays on int16."""
-    if _tiles_here(int4_model):
-        pytest.skip("steps of 6 rows or more run on AMX tiles on this CPU")
     kv, prompts = prefilled
     rows = [0, 1, 2, 3, 4] * 2
     with_a_prompt = _decode_logits(int4_model, kv, prompts, rows, prompt_ends=1)
@@ -225,14 +236,15 @@ def test_a_prompt_row_among_decodes_keeps_the_step_on_int16_x(int4_model: CpuNat
     assert not torch.equal(with_a_prompt, _decode_logits(int4_model, kv, prompts, rows)), "all decodes: int8 x"
 
 
-def test_where_tiles_serve_a_model_no_decode_takes_int8_x(int4_model: CpuNativeBackend) -> None:
-    """AMX tiles run its large steps in bfloat16 (closer to float32): int8 x would only trade quality there.
-    Built, not run: on a CPU without tiles a step of this struct would reach for them."""
+def test_where_tiles_serve_a_model_decodes_below_them_take_int8_x(int4_model: CpuNativeBackend) -> None:
+    """Tiles pay from AMX_FROM_ROWS rows against int8 x (native_step.py has the measurements): a model on tiles
+    keeps the int8 tier for the decodes below them. Built, not run: on a CPU without tiles a step of this
+    struct would reach for them."""
     loaded = int4_model.loaded
     tiles = NativeSteps(
         int4_model.native.library, loaded.model, loaded.checkpoint, 2, None, AMX_FROM_ROWS, INT8_FROM_ROWS
     )
-    assert (tiles.struct.amx_from_rows, tiles.struct.int8_from_rows) == (AMX_FROM_ROWS, 0)
+    assert (tiles.struct.amx_from_rows, tiles.struct.int8_from_rows) == (AMX_FROM_ROWS, INT8_FROM_ROWS)
     vnni = NativeSteps(int4_model.native.library, loaded.model, loaded.checkpoint, 2, None, 0, INT8_FROM_ROWS)
     assert vnni.struct.int8_from_rows == INT8_FROM_ROWS
 

@@ -22,7 +22,7 @@
 // answer to "What is the capital of France?". vpdpwssd does half vpdpbusd's products per instruction,
 // so int16 costs ~2x int8 where the step is bound by them (16 rows: 17.7 against 10.9 ms).
 // On a CPU with AMX, steps of Model::amx_from_rows rows or more run the linears (and, with as many logit
-// rows, the head) on bfloat16 tiles instead: amx_linear.h. Elsewhere steps of Model::int8_from_rows rows or
+// rows, the head) on bfloat16 tiles instead: amx_linear.h. Below them steps of Model::int8_from_rows rows or
 // more take x in int8 per 16 values on vpdpbusd (int8_linear.h): twice vpdpwssd's products an instruction
 // where many rows make the step bound by them, at ~2.7x int16's (small) KL divergence. Never a step that
 // samples a prompt's last row (Step::sampled_prompt_rows): it gives the answer's first token, which a short

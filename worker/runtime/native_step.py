@@ -53,10 +53,14 @@ from worker.runtime.long_prompts import merge_logits, split_long_prompts
 
 log = logging.getLogger(__name__)
 
-# Steps of this many rows and more run their linears on AMX tiles where the CPU has them: a tile product
-# costs about the same for 1 row as for 16, VNNI's grow with the rows: the crossover measured in
-# docs/dev/measurements.md ("The native step's linears, second pass").
-AMX_FROM_ROWS = 6
+# Steps of this many rows and more run their linears on AMX tiles where the CPU has them (and the model's formats
+# allow): a tile product costs about the same for 1 row as for 16, VNNI's grow with the rows. Below it a step on
+# int8 x (vpdpbusd, from INT8_FROM_ROWS) is faster: ms a decode step, tiles / int8 x, Intel Xeon with AMX,
+# 2026-12-04 (docs/benchmarks.md, "Intel Xeon with AMX"): default model 8 rows 6.97 / 5.67, 12 rows 8.29 / 8.18,
+# 16 rows 9.52 / 10.70; Llama-3.2-1B shape Q4_0 8 rows 53.7 / 40.1, 12 rows 53.9 / 50.5, 14 rows 58.4 / 60.2;
+# Qwen3-0.6B shape Q4_0 12 rows 32.9 / 30.1, 16 rows 38.2 / 39.1. (Against int16 x the tiles paid from 6 rows:
+# a step below 14 rows that samples a prompt's last row, which int8 x never computes, stays on int16.)
+AMX_FROM_ROWS = 14
 # Steps of this many rows or more take x in int8 on vpdpbusd where no AMX tiles serve the model and the step
 # samples no prompt's last row: batched decodes, a long prompt's earlier rows (worker/native/int8_linear.h,
 # worker/runtime/long_prompts.py). Measured crossover for decodes (Qwen3-0.6B shape, AMD EPYC Zen 4, ms a step, int8 /
@@ -295,8 +299,6 @@ class NativeSteps:
         if amx_from_rows and not all(f.endswith(" as int4/fp16/32") for f in self.formats.values()):
             log.info("AMX tiles off: they run int4 weights with fp16 scales only; every step on VNNI")
             amx_from_rows = 0
-        if amx_from_rows:  # the tiles serve large steps in bfloat16: no decode takes int8 x instead
-            int8_from_rows = 0
         head_blocks = head_file_blocks(checkpoint, config)
         self.head_format = "int8 per row" if head_blocks is None else kernel_format(head_blocks)
         if head_blocks is None:
@@ -349,9 +351,8 @@ class NativeSteps:
         limit = f" of fewer than {max_rows} tokens" if max_rows else ""
         tiles = f", from {steps.struct.amx_from_rows} rows on AMX tiles" if steps.struct.amx_from_rows else ""
         if steps.struct.int8_from_rows:
-            tiles += (
-                f", steps of {steps.struct.int8_from_rows} rows or more int8 x on vpdpbusd but a prompt's sampled row"
-            )
+            below = " (below the tiles)" if steps.struct.amx_from_rows else ""
+            tiles += f", steps of {steps.struct.int8_from_rows} rows or more{below} int8 x on vpdpbusd but a prompt's sampled row"
         kinds = collections.Counter(f.split(" as ")[0] for f in steps.formats.values())
         weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
         log.info(
