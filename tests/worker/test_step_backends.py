@@ -23,8 +23,10 @@ PAGE = 16
 SHARED = 5 * PAGE  # a system prompt of 5 full pages: decodes behind it share >= 4 pages (the cascade path)
 STEPS = 14
 # Mean / worst KL(reference || backend) per sampling row: the native step rounds activations to int16
-# where torch keeps bfloat16 (tests/worker/test_native_steps.py), a GPU sums in another order.
-KL_TOLERANCE = {"cpu-torch": (0.0, 0.0), "cpu-native": (0.01, 0.05), "cuda": (0.01, 0.05)}
+# where torch keeps bfloat16 (tests/worker/test_native_steps.py), and to int8 in batched decodes (its int8
+# tier: this workload's 6-row steps), whose worst row is held to the default mode's own bar against float32
+# (test_reference.py's LIMITS: 0.1; measured 0.050 on Intel Xeon, 2026-12-04); a GPU sums in another order.
+KL_TOLERANCE = {"cpu-torch": (0.0, 0.0), "cpu-native": (0.01, 0.1), "cuda": (0.01, 0.05)}
 
 
 def _load(device: str, cpu_steps: str) -> LoadedModel:
