@@ -371,6 +371,7 @@ struct Buffers {
   QuantizedRows quantized;  // x for VNNI, and always for the head
   bool amx;                 // this step's linears on AMX tiles
   bool int8;                // this step's linears and head on int8 x (int8_rows)
+  bool head_int8;           // its head on int8 x: an int8 step's, and a tiles step's whose head stays on VNNI
   std::vector<int8_t> q8;
   std::vector<float> scale8, half_sum8;
   Int8Rows int8_rows;
@@ -402,7 +403,10 @@ struct Buffers {
     amx = m.amx_from_rows > 0 && rows >= m.amx_from_rows;
     int8 = !amx && m.int8_from_rows > 0 && rows >= m.int8_from_rows && s.sampled_prompt_rows == 0;
     own = !amx && !int8 && threads > 1 && rows <= kOwnEncodeRows;
-    if (int8) {
+    // A head in its file's blocks (a Q6_K head) runs on VNNI even in a tiles step: int8 x there too, by the
+    // int8 tier's rule (no prompt's last row sampled), as the same decode below the tiles takes it.
+    head_int8 = int8 || (amx && m.head_blocks && m.int8_from_rows > 0 && s.sampled_prompt_rows == 0);
+    if (head_int8) {
       q8.resize(rows * widest);
       scale8.resize(rows * widest / kHalf);
       half_sum8.resize(rows * widest / kHalf);
@@ -639,7 +643,7 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
     rms_norm(b.hidden.data() + s.logit_rows[i] * m.hidden, m.final_norm, m.hidden, m.eps, normed);
     if (head_on_tiles)
       bf16_row(normed, m.hidden, b.bf16_rows, i);
-    else if (b.int8)  // every logit row a generated token's
+    else if (b.head_int8)  // every logit row a generated token's
       quantize_row8(normed, m.hidden, b.int8_rows, i);
     else
       quantize_row(normed, m.hidden, b.quantized, i);
@@ -653,7 +657,7 @@ void run_step(const Model& m, const Step& s, Buffers& b) {
   };
   if (head_on_tiles)
     amx_head(m, b.bf16_rows, s.logit_count, s.logits);
-  else if (b.int8)
+  else if (b.head_int8)
     head(b.int8_rows);
   else
     head(b.quantized);

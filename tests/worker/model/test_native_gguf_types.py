@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as QType
 from tests.support.gguf_blocks import raw_tensor
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from tests.support.tiny_model import make_tiny_model
+from worker.batch import PagedKV
 from worker.model.loader import LoadedModel, load_model
 from worker.native import build
 from worker.runtime.cpu_native import CpuNativeBackend
@@ -193,3 +194,32 @@ def test_a_head_kept_in_fewer_bits_than_int8_runs_on_its_file_blocks(mixed_gguf:
     q8 = write_mixed_gguf(tmp_path / "head.Q8_0.gguf", mixed_gguf.parent / "tokenizer", LAYER_TYPES, QType.Q8_0)
     loaded = load_model(str(q8), dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")
     assert backend_for(loaded).native.head_format == "int8 per row"
+
+
+def test_a_tiles_step_runs_a_head_kept_in_its_file_blocks_on_int8_x(mixed_gguf: pathlib.Path, tmp_path) -> None:
+    """The tiles read int8 heads only, so a Q6_K head (a Q4_0 file's) runs on VNNI in a tiles step too; there it
+    takes int8 x by the int8 tier's rule (no prompt's last row sampled), as a decode below the tiles does: it
+    ran (int16 x, the tier off, gives other logits; the tiles' linears are the same either way) and it stays close."""
+    from worker.runtime.native_step import INT8_FROM_ROWS, amx_usable
+
+    library = build.load()
+    if not amx_usable(library):
+        pytest.skip("no AMX tiles on this CPU")
+    types = [{part: QType.Q4_0 for part in layer} for layer in LAYER_TYPES]
+    path = write_mixed_gguf(tmp_path / "q4_0.Q6_K-head.gguf", mixed_gguf.parent / "tokenizer", types, QType.Q6_K)
+    loaded = load_model(str(path), dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")
+    steps = NativeSteps(library, loaded.model, loaded.checkpoint, 2, None, AMX_FROM_ROWS, INT8_FROM_ROWS)
+    assert steps.struct.amx_from_rows == AMX_FROM_ROWS and steps.head_format == "Q6_K as int6/k8/16"
+    rows = AMX_FROM_ROWS + 2
+    kv = allocate_kv(loaded.config, num_pages=rows, page_size=16, dtype=loaded.dtype)
+    for seq in range(rows):
+        steps.forward(make_batch([Chunk(list(range(40 + seq, 44 + seq)), 0, [seq])], 16), kv)
+    decodes = make_batch([Chunk([60 + seq], 4, [seq]) for seq in range(rows)], 16)
+
+    def step(int8_from_rows: int) -> torch.Tensor:
+        steps.struct.int8_from_rows = int8_from_rows
+        return steps.forward(decodes, PagedKV(k=kv.k.clone(), v=kv.v.clone())).float()
+
+    int8_head, int16_head = step(INT8_FROM_ROWS), step(0)
+    assert not torch.equal(int8_head, int16_head), "the head took int8 x"
+    assert mean_kl(int16_head, int8_head) < 1e-2
