@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 # Qwen3-0.6B shape Q4_0 12 rows 32.9 / 30.1, 16 rows 38.2 / 39.1. (Against int16 x the tiles paid from 6 rows:
 # a step below 14 rows that samples a prompt's last row, which int8 x never computes, stays on int16.)
 AMX_FROM_ROWS = 14
-# Steps of this many rows or more take x in int8 on vpdpbusd where no AMX tiles serve the model and the step
+# Steps of this many rows or more take x in int8 on vpdpbusd where no AMX tiles serve the step and the step
 # samples no prompt's last row: batched decodes, a long prompt's earlier rows (worker/native/int8_linear.h,
 # worker/runtime/long_prompts.py). Measured crossover for decodes (Qwen3-0.6B shape, AMD EPYC Zen 4, ms a step, int8 /
 # int16): 3 rows 18.7 / 17.9, 4 rows 19.1 / 20.7, 6 rows 24.2 / 32.5 (docs/benchmarks.md, "int8 activations
