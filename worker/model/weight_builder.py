@@ -58,9 +58,8 @@ class WeightBuilder:
         bias = self._bias(bias_names)
         shape = (sum(source.shape[0] for source in sources), sources[0].shape[1])
         if self.quant == "int4" and int4_supported(shape, self.device):
-            blocks = Int4Blocks.cat([source.int4() or quantize_int4(source.load()) for source in sources])
-            return self._tiered(Int4Linear(blocks, bias, self.dtype), lambda: _own_values(sources), bias)
-        weight = _own_values(sources)
+            return self._int4(sources, bias)
+        weight = torch.cat([source.load() for source in sources])
         if self.quant in ("int8", "int4"):
             return self._tiered(Int8Linear(weight, bias, self.dtype).to(self.device), lambda: weight, bias)
         return DenseLinear(weight.to(device=self.device, dtype=self.dtype), bias)
@@ -71,6 +70,24 @@ class WeightBuilder:
             return DenseLinear(weight, None)
         small = Int8Linear(weight.float(), None, self.dtype).to(self.device)
         return TieredLinear(small, dense_linear(weight.to(self.dtype), None), self.head_int8_below)
+
+    def _int4(self, sources: list[TensorSource], bias: torch.Tensor | None) -> torch.nn.Module:
+        """A file's own 4-bit blocks as they are, any other matrix quantized to int4; the dense copy (long prompts)
+        holds the checkpoint's own values, not that re-quantization of a Q5_0, Q6_K or Q8_0 matrix (the native
+        step reads the same file's blocks as they are). Each matrix is unpacked once: its file's blocks
+        dequantize exactly (bit for bit gguf's dequantizer, in about half its time)."""
+        stored = [source.blocks() for source in sources]  # None: a float tensor
+        int4 = [None if found is None else found.int4() for found in stored]  # None: not 4-bit groups of 32
+        values = [  # kept only for the matrices quantized here
+            (source.load() if found is None else found.dequantize()) if four is None else None
+            for source, found, four in zip(sources, stored, int4)
+        ]
+        blocks = Int4Blocks.cat([quantize_int4(value) if four is None else four for four, value in zip(int4, values)])
+
+        def own_values() -> torch.Tensor:
+            return torch.cat([found.dequantize() if value is None else value for found, value in zip(stored, values)])
+
+        return self._tiered(Int4Linear(blocks, bias, self.dtype), own_values, bias)
 
     def _tiered(self, small: torch.nn.Module, dense_weight, bias: torch.Tensor | None) -> torch.nn.Module:
         if self.dense_from_rows is None:
@@ -84,10 +101,3 @@ class WeightBuilder:
         if not names or names[0] not in self.weights:
             return None
         return torch.cat([self.tensor(name) for name in names])
-
-
-def _own_values(sources: list[TensorSource]) -> torch.Tensor:
-    """The checkpoint's own values of a (fused) linear: what a dense copy holds. Not the int4 tier's blocks: a GGUF
-    matrix in more than 4 bits (Q5_0, Q6_K, Q8_0) has none, and their re-quantization would lose what the file
-    kept on every long prompt (the native step reads the same files' blocks as they are)."""
-    return torch.cat([source.load() for source in sources])
