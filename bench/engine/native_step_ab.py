@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         if args.model:
-            path, args.shape = args.model, pathlib.Path(args.model).name
+            path = args.model
         else:
             config = SHAPES[args.shape]
             path = write_hf_dir(pathlib.Path(directory) / "model", config, random_weights(config))
@@ -115,7 +115,8 @@ def run(backend: CpuNativeBackend, libraries: dict[str, ctypes.CDLL], rows_list:
 
 def report(libraries, rows_list, times, phases, logits, args) -> None:
     cpu = cpu_model()
-    print(f"\n{args.shape}, default CPU mode, {args.threads} threads, {cpu}")
+    model = pathlib.Path(args.model).name if args.model else f"{args.shape} shape, random weights"
+    print(f"\n{model}, default CPU mode, {args.threads} threads, {cpu}")
     print(
         f"decode steps at context {args.context}, median of {args.rounds} rounds x {args.steps} steps; load {os.getloadavg()}"
     )
