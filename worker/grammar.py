@@ -38,7 +38,7 @@ import llguidance
 import torch
 from tokenizers import Tokenizer
 
-from worker.token_bytes import token_bytes
+from worker.token_bytes import special_ids, token_bytes
 from worker.tool_call_repeats import RepeatWatch
 
 __all__ = ["GrammarCompiler", "GrammarMatcher", "JSON_OPTIONS", "apply_token_masks", "lark_json"]
@@ -200,8 +200,7 @@ class _Vocabulary:
 
     def __post_init__(self) -> None:
         table = token_bytes(self.tokenizer)
-        specials = {i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
-        specials |= set(self.stop_token_ids)
+        specials = special_ids(self.tokenizer) | set(self.stop_token_ids)
         tokens = []
         for token_id in range(self.vocab_size):
             raw = table[token_id] if token_id < len(table) else b""  # ids past the tokenizer: never allowed

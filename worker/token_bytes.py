@@ -23,30 +23,41 @@ from functools import cache
 
 from tokenizers import Tokenizer
 
-__all__ = ["token_bytes", "token_text"]
+__all__ = ["special_ids", "token_bytes", "token_text"]
 
 CACHED_TOKENIZERS = 8  # a worker serves one model; tests make a few
 BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SPIECE_SPACE = "\u2581"  # ▁
 
-_cache: OrderedDict[int, tuple[Tokenizer, list[bytes]]] = OrderedDict()
+_cache: OrderedDict[int, tuple[Tokenizer, list[bytes], frozenset[int]]] = OrderedDict()
 _lock = threading.Lock()
 
 
 def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
     """Each token's bytes, index = token id (shared, do not modify)."""
+    return _vocabulary(tokenizer)[0]
+
+
+def special_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of the added tokens marked special. Read once per tokenizer: listing the added tokens
+    builds one object each (Gemma 3 has 6,414: ~2 ms, on the loop for every request it started)."""
+    return _vocabulary(tokenizer)[1]
+
+
+def _vocabulary(tokenizer: Tokenizer) -> tuple[list[bytes], frozenset[int]]:
     key = id(tokenizer)
     with _lock:
         hit = _cache.get(key)
         if hit is not None and hit[0] is tokenizer:
             _cache.move_to_end(key)
-            return hit[1]
+            return hit[1], hit[2]
     table = _read_vocabulary(tokenizer)
+    specials = frozenset(token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special)
     with _lock:
-        _cache[key] = (tokenizer, table)  # holding the tokenizer keeps its id from being reused
+        _cache[key] = (tokenizer, table, specials)  # holding the tokenizer keeps its id from being reused
         while len(_cache) > CACHED_TOKENIZERS:
             _cache.popitem(last=False)
-    return table
+    return table, specials
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

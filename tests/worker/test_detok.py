@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from tests.support.tiny_model import VOCAB
 from worker.detok import IncrementalDetokenizer, StopStrings, text_state
-from worker.token_bytes import _gpt2_unicode_to_byte
+from worker.token_bytes import _gpt2_unicode_to_byte, special_ids
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +138,12 @@ def test_a_takeover_at_any_token_continues_the_text_exactly(tokenizer: Tokenizer
         rest = "".join(matcher.push(detok.add(token))[0] for token in ids[k:])
         rest += matcher.push(detok.flush())[0] + matcher.flush()
         assert first_run + rest == text, k
+
+
+def test_special_tokens_add_no_text_and_are_listed_once_per_tokenizer(tokenizer: Tokenizer) -> None:
+    specials = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    assert specials
+    detok = IncrementalDetokenizer(tokenizer, [])
+    assert [detok.add(token) for token in sorted(specials)] == [""] * len(specials)
+    assert special_ids(tokenizer) == specials
+    assert IncrementalDetokenizer(tokenizer, []).special_ids is detok.special_ids  # not listed again
