@@ -422,8 +422,12 @@ class NativeSteps:
             t.to(torch.int64).contiguous() for t in (batch.input_ids, batch.positions, batch.slots)
         )
         contexts = positions + 1
-        sequence_of_row = torch.repeat_interleave(torch.arange(len(batch.query_lens)), torch.tensor(batch.query_lens))
-        page_tables = batch.page_tables.to(torch.int64)[sequence_of_row].contiguous()
+        page_tables = batch.page_tables.to(torch.int64)
+        if not batch.is_decode_only:  # a row per sequence needs no gather of its table
+            page_tables = page_tables[
+                torch.repeat_interleave(torch.arange(len(batch.query_lens)), torch.tensor(batch.query_lens))
+            ]
+        page_tables = page_tables.contiguous()
         logit_rows = batch.logits_indices.to(torch.int64).contiguous()
         logits = torch.empty(logit_rows.numel(), self.head_rows, dtype=torch.float32)
         step = StepStruct(
