@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.retry import Retry
 
 from lmq.redis_server import EmbeddedRedis, ServerTls, find_redis_server, free_tcp_port
 from tests.support.process_stack import Processes, Stack, StackSpec, eventually
@@ -30,6 +32,8 @@ QUORUM = 2
 DOWN_AFTER_MS = 1000  # a primary silent this long is down for a sentinel
 FAILOVER_TIMEOUT_MS = 3000  # a failover not done by then is retried (by another sentinel)
 READY_TIMEOUT_S = 30.0  # sentinels find each other through the primary's hello channel, every 2 s
+LISTEN_TIMEOUT_S = 10.0
+PORT_TRIES = 5
 FAILOVER_WAIT_S = 30.0
 
 
@@ -66,8 +70,8 @@ class SentinelSet:
                 "the replica in sync",
                 READY_TIMEOUT_S,
             )
-        for index, port in enumerate(self.sentinel_ports):
-            self._start_sentinel(index, port)
+        for index in range(len(self.sentinel_ports)):
+            self._start_sentinel(index)
         _poll(
             self.ready,
             "three sentinels that see the primary, the replica and each other",
@@ -76,7 +80,35 @@ class SentinelSet:
         )
         return self
 
-    def _start_sentinel(self, index: int, port: int) -> None:
+    def _start_sentinel(self, index: int) -> None:
+        """Sentinel `index` on its port, or on a new one where another process took that port first: a free
+        port is only free when asked, and the suite's other processes open connections meanwhile (CI saw
+        "bind: Address already in use" end a sentinel, and the set never formed)."""
+        for _ in range(PORT_TRIES):
+            self._launch_sentinel(index, self.sentinel_ports[index])
+            if self._listening(index):
+                return
+            self.sentinel_ports[index] = free_tcp_port()
+        raise AssertionError(f"sentinel-{index} found no free port in {PORT_TRIES} tries\n{self.log_tails()}")
+
+    def _listening(self, index: int) -> bool:
+        """True once sentinel `index` answers; False if it exited because its port was taken."""
+        name, deadline = f"sentinel-{index}", time.monotonic() + LISTEN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self.processes.alive(name):
+                if "Address already in use" in self.processes.log_text(name):
+                    return False
+                raise AssertionError(f"{name} exited at start\n{self.log_tails()}")
+            try:
+                with self.client(
+                    self.sentinel_ports[index], socket_timeout=0.5, retry=Retry(NoBackoff(), 0)
+                ) as sentinel:
+                    return bool(sentinel.ping())
+            except RedisError:
+                time.sleep(0.05)
+        raise AssertionError(f"{name} did not answer within {LISTEN_TIMEOUT_S:g} s\n{self.log_tails()}")
+
+    def _launch_sentinel(self, index: int, port: int) -> None:
         directory = self.root / f"sentinel-{index}"
         directory.mkdir(parents=True, exist_ok=True)
         config = directory / "sentinel.conf"  # the sentinel rewrites it: its own file, writable

@@ -10,6 +10,7 @@ text or an error the client sees (never a silent gap, never a hang), as after a 
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -134,6 +135,20 @@ def sentinel_set(tmp_path, request):
         yield sentinels.start()
     finally:
         sentinels.close()
+
+
+def test_a_sentinel_whose_port_was_taken_meanwhile_starts_on_another(tmp_path):
+    """A free port is only free when asked: another process may bind it before the sentinel starts."""
+    sentinels = SentinelSet(tmp_path / "sentinel-set")
+    taken = sentinels.sentinel_ports[1]
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))  # as a client's connection holds its local port
+        try:
+            sentinels.start()
+            assert sentinels.sentinel_ports[1] != taken and sentinels.ready()
+            assert "Address already in use" in sentinels.processes.log_text("sentinel-1")
+        finally:
+            sentinels.close()
 
 
 @pytest.mark.parametrize("sentinel_set", ["valkey9", "redis6"], indirect=True)
