@@ -51,8 +51,9 @@ def _vocabulary(tokenizer: Tokenizer) -> tuple[list[bytes], frozenset[int]]:
         if hit is not None and hit[0] is tokenizer:
             _cache.move_to_end(key)
             return hit[1], hit[2]
-    table = _read_vocabulary(tokenizer)
-    specials = frozenset(token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+    added = tokenizer.get_added_tokens_decoder()
+    table = _read_vocabulary(tokenizer, {token_id: token.content for token_id, token in added.items()})
+    specials = frozenset(token_id for token_id, token in added.items() if token.special)
     with _lock:
         _cache[key] = (tokenizer, table, specials)  # holding the tokenizer keeps its id from being reused
         while len(_cache) > CACHED_TOKENIZERS:
@@ -68,10 +69,10 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return ""
 
 
-def _read_vocabulary(tokenizer: Tokenizer) -> list[bytes]:
+def _read_vocabulary(tokenizer: Tokenizer, added: dict[int, str]) -> list[bytes]:
+    """Each token's bytes; `added`: the added tokens' ids and texts."""
     spec = json.loads(tokenizer.to_str())
     pieces = _piece_reader(spec)
-    added = {token_id: token.content for token_id, token in tokenizer.get_added_tokens_decoder().items()}
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     size = max(size, max(added, default=-1) + 1)
     table: list[bytes] = []
