@@ -64,6 +64,7 @@ template <typename Rows>
 constexpr int kRegisterRows = kMaxRows;  // per kind of x: int8_linear.h's quads are 8 vectors, not 16, and leave room for 16
 constexpr int kInt4GroupBytes = kGroup * kBlockN / 2;  // a group of a block: 4 vectors
 constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kChunksPerThread = 8;  // each_claimed's: small enough to even out a preempted thread
 
 template <int Bits>
 constexpr int kGroupBytes = Bits == 4 ? kInt4GroupBytes : Bits == 5 ? kInt4GroupBytes + 64 : Bits == 6 ? kInt4GroupBytes + 128 : kGroup * kBlockN;
@@ -74,6 +75,16 @@ inline void share(int64_t total, int64_t& begin, int64_t& end) {
   const int64_t each = total / team, extra = total % team;
   begin = me * each + std::min(me, extra);
   end = begin + each + (me < extra ? 1 : 0);
+}
+
+// f(i) for i in [0, total), the team claiming chunks as its threads come free (no barrier after). The
+// cores are shared with the event loop, Redis and the gateway: a thread the OS preempts leaves the rest
+// of the work to the others instead of holding up the team's next barrier, as a static share would.
+template <typename F>
+void each_claimed(int64_t total, F&& f) {
+  const int64_t chunk = std::max<int64_t>(1, total / (omp_get_num_threads() * kChunksPerThread));
+#pragma omp for schedule(dynamic, chunk) nowait
+  for (int64_t i = 0; i < total; ++i) f(i);
 }
 
 // ---- activations quantized to int16 ----
@@ -297,10 +308,9 @@ inline void with_rows(int64_t rows, F&& f) {
 // Most: a block's weights come from memory once, then from cache.
 template <int Most, typename F>
 void over_blocks(int64_t blocks, int64_t rows, F&& f) {
-  int64_t begin, end;
-  share(blocks, begin, end);
-  for (int64_t b = begin; b < end; ++b)
+  each_claimed(blocks, [&](int64_t b) {
     for (int64_t r0 = 0; r0 < rows; r0 += Most) with_rows<Most>(std::min<int64_t>(Most, rows - r0), [&](auto tile) { f(b, r0, tile); });
+  });
 }
 
 // f(block, r0, tile rows, kernel) over the team's share of `blocks` column blocks, x's rows in tiles of 16:
@@ -308,9 +318,7 @@ void over_blocks(int64_t blocks, int64_t rows, F&& f) {
 // kernel (a std::integral_constant) is the tile's rows where they fit registers, else kWide.
 template <int MaxRows = kMaxRows, typename F>
 void over_tiles(int64_t blocks, int64_t rows, F&& f) {
-  int64_t begin, end;
-  share(blocks, begin, end);
-  for (int64_t b = begin; b < end; ++b)
+  each_claimed(blocks, [&](int64_t b) {
     for (int64_t r0 = 0; r0 < rows; r0 += kWideRows) {
       const int64_t tile = std::min<int64_t>(kWideRows, rows - r0);
       if (tile > MaxRows)
@@ -318,6 +326,7 @@ void over_tiles(int64_t blocks, int64_t rows, F&& f) {
       else
         with_rows<MaxRows>(tile, [&](auto most) { f(b, r0, tile, most); });
     }
+  });
 }
 
 // Rows: QuantizedRows (int16 x, below) or Int8Rows (int8_linear.h); each has its own quant_block.
