@@ -570,22 +570,22 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
 #pragma omp barrier
   }
   clock.mark(3);
-  // A decode's (row, KV head) tasks in contiguous shares; a prompt's (tile of rows, KV head) tasks dealt
-  // round the team (its later rows attend to more keys: in contiguous shares the thread with its first
-  // rows would idle, half the time for a first chunk).
+  // A decode's (row, KV head) tasks and a prompt's (tile of rows, KV head) tasks, claimed as threads come
+  // free; a prompt's last tiles first (its later rows attend to more keys: the longest tasks start first,
+  // and the short ones even out the end).
   if (placed_by_task) {
-    share(rows * kvh, begin, end);
-    for (int64_t task = begin; task < end; ++task) {
+    each_claimed(rows * kvh, 1, [&](int64_t task) {
       const int64_t r = task / kvh, h = task % kvh;
       place_heads(m, s, index, b, r, h);
       attend_rows(m, s, index, b.qkv.data(), b.attention.data(), r, 1, h, scores, tile_scratch);
-    }
+    });
   } else {
     const int64_t tasks = (static_cast<int64_t>(b.tiles.size()) - 1) * kvh;
-    for (int64_t task = omp_get_thread_num(); task < tasks; task += omp_get_num_threads()) {
+    each_claimed(tasks, rows, [&](int64_t claimed) {
+      const int64_t task = tasks - 1 - claimed;
       const int64_t* tile = b.tiles.data() + task / kvh;
       attend_rows(m, s, index, b.qkv.data(), b.attention.data(), tile[0], tile[1] - tile[0], task % kvh, scores, tile_scratch);
-    }
+    });
   }
 #pragma omp barrier
   clock.mark(4);

@@ -64,7 +64,7 @@ template <typename Rows>
 constexpr int kRegisterRows = kMaxRows;  // per kind of x: int8_linear.h's quads are 8 vectors, not 16, and leave room for 16
 constexpr int kInt4GroupBytes = kGroup * kBlockN / 2;  // a group of a block: 4 vectors
 constexpr int64_t kPrefetchBytes = 4096;
-constexpr int64_t kChunksPerThread = 8;  // each_claimed's: small enough to even out a preempted thread
+constexpr int64_t kLargeChunks = 2, kSmallChunks = 32, kWeightRows = 16;  // each_claimed's: chunks a thread
 
 template <int Bits>
 constexpr int kGroupBytes = Bits == 4 ? kInt4GroupBytes : Bits == 5 ? kInt4GroupBytes + 64 : Bits == 6 ? kInt4GroupBytes + 128 : kGroup * kBlockN;
@@ -80,11 +80,18 @@ inline void share(int64_t total, int64_t& begin, int64_t& end) {
 // f(i) for i in [0, total), the team claiming chunks as its threads come free (no barrier after). The
 // cores are shared with the event loop, Redis and the gateway: a thread the OS preempts leaves the rest
 // of the work to the others instead of holding up the team's next barrier, as a static share would.
+// Three quarters go in large chunks (long runs of weights for the prefetchers), the last quarter in
+// small ones, so that the thread that finishes first waits little for the other's last chunk. `rows`:
+// the x rows each item covers; heavier items come in proportionally smaller chunks.
 template <typename F>
-void each_claimed(int64_t total, F&& f) {
-  const int64_t chunk = std::max<int64_t>(1, total / (omp_get_num_threads() * kChunksPerThread));
-#pragma omp for schedule(dynamic, chunk) nowait
-  for (int64_t i = 0; i < total; ++i) f(i);
+void each_claimed(int64_t total, int64_t rows, F&& f) {
+  const int64_t team = omp_get_num_threads(), weight = std::max<int64_t>(1, rows / kWeightRows), bulk = total * 3 / 4;
+  const int64_t large = std::max<int64_t>(1, bulk / (team * kLargeChunks * weight));
+  const int64_t small = std::max<int64_t>(1, total / (team * kSmallChunks * weight));
+#pragma omp for schedule(dynamic, large) nowait
+  for (int64_t i = 0; i < bulk; ++i) f(i);
+#pragma omp for schedule(dynamic, small) nowait
+  for (int64_t i = bulk; i < total; ++i) f(i);
 }
 
 // ---- activations quantized to int16 ----
@@ -308,7 +315,7 @@ inline void with_rows(int64_t rows, F&& f) {
 // Most: a block's weights come from memory once, then from cache.
 template <int Most, typename F>
 void over_blocks(int64_t blocks, int64_t rows, F&& f) {
-  each_claimed(blocks, [&](int64_t b) {
+  each_claimed(blocks, rows, [&](int64_t b) {
     for (int64_t r0 = 0; r0 < rows; r0 += Most) with_rows<Most>(std::min<int64_t>(Most, rows - r0), [&](auto tile) { f(b, r0, tile); });
   });
 }
@@ -318,7 +325,7 @@ void over_blocks(int64_t blocks, int64_t rows, F&& f) {
 // kernel (a std::integral_constant) is the tile's rows where they fit registers, else kWide.
 template <int MaxRows = kMaxRows, typename F>
 void over_tiles(int64_t blocks, int64_t rows, F&& f) {
-  each_claimed(blocks, [&](int64_t b) {
+  each_claimed(blocks, rows, [&](int64_t b) {
     for (int64_t r0 = 0; r0 < rows; r0 += kWideRows) {
       const int64_t tile = std::min<int64_t>(kWideRows, rows - r0);
       if (tile > MaxRows)
