@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -115,8 +116,35 @@ def _answers(path: Path) -> bool:
     return True
 
 
+LOWEST_CHOSEN_PORT = 10000  # above the well-known and most registered services' ports
+
+
+def _ephemeral_ports() -> range:
+    """The ports the kernel gives outgoing connections as their source (Linux's setting, else IANA's)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
 def free_tcp_port() -> int:
-    with socket.socket() as s:
+    """A port free now on 127.0.0.1, for a server started next.
+
+    Chosen at random below the ephemeral range: port 0's answer comes from that range, where any
+    client's outgoing connection may take it before the server binds it ('Address already in use').
+    Here only another explicit bind can."""
+    ephemeral = _ephemeral_ports()
+    if ephemeral.start - LOWEST_CHOSEN_PORT >= 1000:
+        for _ in range(100):
+            port = random.randrange(LOWEST_CHOSEN_PORT, ephemeral.start)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # the machine's ranges leave no room below: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -67,3 +67,13 @@ def test_a_fixed_port_survives_a_restart(fresh_redis_server):
     server.start()
     with redis.Redis.from_url(server.url) as client:
         assert client.get("lmq:k") == b"v"
+
+
+def test_free_ports_lie_outside_the_range_outgoing_connections_take():
+    """A chosen port stays free until its server binds it: the kernel gives a client's outgoing
+    connection a source port from the ephemeral range, and one of those had taken a sentinel's port
+    between its choice and its start ('Address already in use')."""
+    low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = {free_tcp_port() for _ in range(20)}
+    assert all(not low <= port <= high for port in ports), sorted(ports)
+    assert len(ports) > 1  # chosen at random, not one fixed port for every caller
