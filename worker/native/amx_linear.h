@@ -104,7 +104,7 @@ bool amx_format(const QuantMatrix& w) { return !w.next && w.bits == 4 && w.scale
 
 // out [rows, w.n] (= or +=) x @ w^T, the team splitting the column blocks.
 void amx_int4_linear(const QuantMatrix& w, const Bf16Rows& x, int64_t rows, float* out, bool accumulate) {
-  over_blocks<kTileRows>(w.n / kBlockN, rows, [&](int64_t b, int64_t r0, auto tile) { amx_int4_block<tile.value>(w, b, x, r0, out, w.n, accumulate); });
+  over_blocks<kTileRows>(w.n / kBlockN, rows, w.k, [&](int64_t b, int64_t r0, auto tile) { amx_int4_block<tile.value>(w, b, x, r0, out, w.n, accumulate); });
 }
 
 // The output head: its int8 weights turned into bfloat16 (exact: integers below 128) group by group, and,

@@ -574,14 +574,15 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
   // free; a prompt's last tiles first (its later rows attend to more keys: the longest tasks start first,
   // and the short ones even out the end).
   if (placed_by_task) {
-    each_claimed(rows * kvh, 1, [&](int64_t task) {
+    const int64_t task_macs = 2 * (m.heads / kvh) * m.head_dim * (s.positions[0] + 1);  // about: rows' contexts differ
+    each_claimed(rows * kvh, 1, task_macs, [&](int64_t task) {
       const int64_t r = task / kvh, h = task % kvh;
       place_heads(m, s, index, b, r, h);
       attend_rows(m, s, index, b.qkv.data(), b.attention.data(), r, 1, h, scores, tile_scratch);
     });
   } else {
     const int64_t tasks = (static_cast<int64_t>(b.tiles.size()) - 1) * kvh;
-    each_claimed(tasks, rows, [&](int64_t claimed) {
+    each_claimed(tasks, rows, kChunkMacs, [&](int64_t claimed) {  // a tile of rows over all its keys: one a chunk
       const int64_t task = tasks - 1 - claimed;
       const int64_t* tile = b.tiles.data() + task / kvh;
       attend_rows(m, s, index, b.qkv.data(), b.attention.data(), tile[0], tile[1] - tile[0], task % kvh, scores, tile_scratch);
