@@ -86,11 +86,11 @@ inline void share(int64_t total, int64_t& begin, int64_t& end) {
 // the x rows each item covers (heavier items come in proportionally smaller chunks); `item_macs`, its
 // multiply-adds: a chunk holds at least kChunkMacs, since each claim costs a cache line passed between
 // cores. A loop too small for four such chunks a thread keeps the static share (the default model's
-// 1-row linears: claimed in chunks they took 5% longer).
+// 1-row linears: claimed in chunks they took 5% longer), as does a team of one.
 template <typename F>
 void each_claimed(int64_t total, int64_t rows, int64_t item_macs, F&& f) {
   const int64_t team = omp_get_num_threads(), least = std::max<int64_t>(1, kChunkMacs / std::max<int64_t>(item_macs, 1));
-  if (total < team * 4 * least) {
+  if (team == 1 || total < team * 4 * least) {
     int64_t begin, end;
     share(total, begin, end);
     for (int64_t i = begin; i < end; ++i) f(i);
