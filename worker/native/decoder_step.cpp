@@ -5,7 +5,8 @@
 // never a copy of the step. Llama is the case with every option off; Qwen2 adds q/k/v biases, Qwen3 and
 // Gemma 3 a per-head RMSNorm of q and k, Mistral and Gemma's local layers a sliding window (per layer,
 // each with its own rotary table), Gemma norms on the attention's and the MLP's outputs, a scaled
-// embedding, GELU-tanh, a query scale of its own and soft-capped scores, Phi-4-mini a partial rotary.
+// embedding, GELU-tanh, a query scale of its own and soft-capped scores, Phi-4-mini a partial rotary;
+// Mixtral and Qwen3-MoE a sparse MLP (a router and experts: expert_mlp.h) in place of the dense one.
 //
 // Why native: on 2 cores a torch decode step of the default model is ~40 small operators per layer,
 // each costing 2-4x its own arithmetic in dispatch and cache misses, plus torch's int4 kernel, which
@@ -67,6 +68,13 @@ struct LayerWeights {
   const float* mlp_out_norm;        // null, or [hidden]: the MLP's output likewise (Gemma)
   int64_t window;                   // 0: every key; else each row sees its `window` most recent keys, itself included
   int64_t rotary;                   // which of Model::rotaries' tables rotates this layer's q and k
+  int64_t experts;                  // 0: the dense gated MLP (gate_up, down); else a sparse one of this many experts (expert_mlp.h)
+  int64_t top_k;                    // experts a row takes
+  int64_t normalize_top_k;          // their weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+  int64_t expert_intermediate;      // each expert's MLP width
+  const float* router;              // float32 [experts, hidden]
+  const QuantMatrix* expert_gate_up;  // [experts]: each [2 * expert_intermediate, hidden], gate rows first
+  const QuantMatrix* expert_down;     // [experts]: each [hidden, expert_intermediate]
 };
 
 struct Model {
@@ -117,7 +125,7 @@ int lmq_amx_enable();
 
 namespace {
 
-constexpr int kPhases = 10;  // embed, norm, qkv, rope + K/V write, attention, o, gate_up, SiLU, down, head
+constexpr int kPhases = 10;  // embed, norm, qkv, rope + K/V write, attention, o, gate_up, SiLU, down, head (experts: routing in norm)
 constexpr int64_t kOwnEncodeRows = 4;  // steps of at most this many rows: every thread encodes x itself (Buffers::own)
 constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
@@ -363,6 +371,7 @@ void attend(const Model& m, const Step& s, int64_t layer, const float* q, float*
 }
 
 #include "prompt_attention.h"
+#include "expert_mlp.h"
 
 struct Buffers {
   std::vector<float> hidden, normed, qkv, attention, gate_up, out, cos, sin;
@@ -384,21 +393,31 @@ struct Buffers {
   std::vector<float> bf16_sum;
   Bf16Rows bf16_rows;  // x for AMX
   std::vector<int64_t> tiles;  // a prompt step's rows in tiles (prompt_attention.h): tile i is rows [tiles[i], tiles[i + 1])
+  std::vector<int64_t> chosen;      // a sparse layer's experts for each row [rows, top_k] (expert_mlp.h)
+  std::vector<float> route_weight;  // and their weights
+  std::vector<ExpertPlan> plans;     // [threads]
 
   Buffers(const Model& m, const Step& s, int threads) {
     const int64_t rows = s.rows;
-    const int64_t widest = std::max({m.hidden, m.intermediate, m.heads * m.head_dim}), qkv_n = (m.heads + 2 * m.kv_heads) * m.head_dim;
+    int64_t top_k = 0, expert_width = 0;  // a sparse layer's x rows are its (row, expert) pairs
+    for (int64_t i = 0; i < m.layers; ++i)
+      if (m.layer[i].experts) top_k = std::max(top_k, m.layer[i].top_k), expert_width = std::max(expert_width, m.layer[i].expert_intermediate);
+    const int64_t x_rows = std::max(rows, rows * top_k);
+    const int64_t widest = std::max({m.hidden, m.intermediate, m.heads * m.head_dim, expert_width}), qkv_n = (m.heads + 2 * m.kv_heads) * m.head_dim;
     hidden.resize(rows * m.hidden);
-    normed.resize(rows * widest);
+    normed.resize(x_rows * widest);
     qkv.resize(rows * qkv_n);
     attention.resize(rows * m.heads * m.head_dim);
-    gate_up.resize(rows * 2 * m.intermediate);
-    out.resize(rows * m.hidden);
+    gate_up.resize(std::max(rows * m.intermediate, rows * top_k * expert_width) * 2);
+    out.resize(x_rows * m.hidden);
+    chosen.resize(rows * top_k);
+    route_weight.resize(rows * top_k);
+    if (top_k) plans.resize(std::max(threads, 1));
     cos.resize(rows * m.rotaries * m.rotary_dim / 2);  // [rows, rotaries, rotary_dim / 2]
     sin.resize(rows * m.rotaries * m.rotary_dim / 2);
-    q.resize(rows * widest);
-    scale.resize(rows * widest / kGroup);
-    sum.resize(rows * widest / kGroup);
+    q.resize(x_rows * widest);
+    scale.resize(x_rows * widest / kGroup);
+    sum.resize(x_rows * widest / kGroup);
     quantized = QuantizedRows{q.data(), scale.data(), sum.data(), widest};
     amx = m.amx_from_rows > 0 && rows >= m.amx_from_rows;
     int8 = !amx && m.int8_from_rows > 0 && rows >= m.int8_from_rows && s.sampled_prompt_rows == 0;
@@ -407,20 +426,20 @@ struct Buffers {
     // int8 tier's rule (no prompt's last row sampled), as the same decode below the tiles takes it.
     head_int8 = int8 || (amx && m.head_blocks && m.int8_from_rows > 0 && s.sampled_prompt_rows == 0);
     if (head_int8) {
-      q8.resize(rows * widest);
-      scale8.resize(rows * widest / kHalf);
-      half_sum8.resize(rows * widest / kHalf);
+      q8.resize(x_rows * widest);
+      scale8.resize(x_rows * widest / kHalf);
+      half_sum8.resize(x_rows * widest / kHalf);
       int8_rows = Int8Rows{q8.data(), scale8.data(), half_sum8.data(), widest};
     }
     if (own) {
-      scratch_stride = rows * widest;
-      own_q.resize(threads * rows * widest);
-      own_scale.resize(threads * rows * widest / kGroup);
-      own_sum.resize(threads * rows * widest / kGroup);
+      scratch_stride = x_rows * widest;
+      own_q.resize(threads * x_rows * widest);
+      own_scale.resize(threads * x_rows * widest / kGroup);
+      own_sum.resize(threads * x_rows * widest / kGroup);
       own_scratch.resize(threads * scratch_stride);
       for (int t = 0; t < threads; ++t)
-        own_rows.push_back(QuantizedRows{own_q.data() + t * rows * widest, own_scale.data() + t * rows * widest / kGroup,
-                                         own_sum.data() + t * rows * widest / kGroup, widest});
+        own_rows.push_back(QuantizedRows{own_q.data() + t * x_rows * widest, own_scale.data() + t * x_rows * widest / kGroup,
+                                         own_sum.data() + t * x_rows * widest / kGroup, widest});
     }
     if (!s.one_row_per_sequence) tiles = row_tiles(s, std::max<int64_t>(1, kTileQueries / (m.heads / m.kv_heads)));
     if (amx) {
@@ -550,6 +569,57 @@ void place_heads(const Model& m, const Step& s, int64_t index, Buffers& b, int64
   }
 }
 
+// A sparse layer's MLP (expert_mlp.h): route each row, sort the (row, expert) pairs by expert, run each chosen
+// expert's gated MLP on its pairs, add each row's outputs by weight to the residual.
+void expert_mlp(const Model& m, const LayerWeights& w, Buffers& b, int64_t rows, PhaseClock& clock) {
+  const int64_t k = w.top_k, width = w.expert_intermediate, pairs = rows * k;
+  int64_t begin, end;
+  share(rows, begin, end);
+  for (int64_t r = begin; r < end; ++r) {
+    float* normed = b.normed.data() + r * m.hidden;
+    rms_norm(b.hidden.data() + r * m.hidden, w.post_norm, m.hidden, m.eps, normed);
+    route_row(w, m.hidden, normed, b.chosen.data() + r * k, b.route_weight.data() + r * k);
+  }
+#pragma omp barrier
+  ExpertPlan& plan = b.plans[omp_get_thread_num()];  // each thread its own copy of the same plan
+  plan.build(b.chosen.data(), b.route_weight.data(), rows, k, w.experts);
+  auto each_expert = [&](const QuantMatrix* matrices, float* out, int64_t out_width) {
+    if (b.int8)
+      experts_linear(matrices, plan, w.experts, b.int8_rows, out, out_width);
+    else
+      experts_linear(matrices, plan, w.experts, linear_input(b), out, out_width);
+  };
+  each_encoded_row(pairs, b, [&](int64_t pair) {
+    float* normed = row_scratch(b, pair, m.hidden);
+    rms_norm(b.hidden.data() + plan.pair_row[pair] * m.hidden, w.post_norm, m.hidden, m.eps, normed);
+    encode_row(normed, m.hidden, b, pair);
+  });
+  clock.mark(1);
+  each_expert(w.expert_gate_up, b.gate_up.data(), 2 * width);
+#pragma omp barrier
+  clock.mark(6);
+  each_encoded_row(pairs, b, [&](int64_t pair) {
+    float* act = row_scratch(b, pair, width);
+    gated_activation(b.gate_up.data() + pair * 2 * width, width, m.activation, act);
+    encode_row(act, width, b, pair);
+  });
+  clock.mark(7);
+  each_expert(w.expert_down, b.out.data(), m.hidden);
+#pragma omp barrier
+  for (int64_t r = begin; r < end; ++r) {  // summed in expert order, then added: moe.py's index_add_, then the residual
+    float* h = b.hidden.data() + r * m.hidden;
+    for (int64_t i = 0; i < m.hidden; i += 16) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t pair = plan.row_pair[r * k + j];
+        sum = _mm512_fmadd_ps(_mm512_set1_ps(plan.pair_weight[pair]), _mm512_loadu_ps(b.out.data() + pair * m.hidden + i), sum);
+      }
+      _mm512_storeu_ps(h + i, _mm512_add_ps(_mm512_loadu_ps(h + i), sum));
+    }
+  }
+#pragma omp barrier
+}
+
 void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::vector<float>& scores, TileScratch& tile_scratch,
                 PhaseClock& clock) {
   const LayerWeights& w = m.layer[index];
@@ -593,6 +663,11 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
   encode_rows(b.attention.data(), rows, q_size, nullptr, 0.f, b);
   residual_linear(m, w.o, w.attention_out_norm, b, rows);
   clock.mark(5);
+  if (w.experts) {
+    expert_mlp(m, w, b, rows, clock);
+    clock.mark(8);
+    return;
+  }
   encode_rows(b.hidden.data(), rows, m.hidden, w.post_norm, m.eps, b);
   clock.mark(1);
   linear(w.gate_up, b, rows, b.gate_up.data(), false);
@@ -679,7 +754,21 @@ int lmq_step(const Model* model, const Step* step, int threads) {
     if (m.layer[i].rotary < 0 || m.layer[i].rotary >= m.rotaries || m.layer[i].window < 0 || !m.layer[i].q_norm != !m.layer[i].k_norm) return 1;
   for (int64_t i = 0; i < m.layers; ++i) {
     const LayerWeights& w = m.layer[i];
-    for (const QuantMatrix* matrix : {&w.qkv, &w.o, &w.gate_up, &w.down}) {
+    std::vector<const QuantMatrix*> matrices = {&w.qkv, &w.o};
+    if (w.experts) {
+      if (w.top_k < 1 || w.top_k > w.experts || w.expert_intermediate % 64 || !w.router || w.mlp_out_norm) return 1;
+      if (m.amx_from_rows) return 3;  // the pairs' x is not laid out in tiles
+      for (int64_t e = 0; e < w.experts; ++e) {
+        if (w.expert_gate_up[e].k != m.hidden || total_rows(w.expert_gate_up[e]) != 2 * w.expert_intermediate) return 1;
+        if (w.expert_down[e].k != w.expert_intermediate || total_rows(w.expert_down[e]) != m.hidden) return 1;
+        matrices.push_back(&w.expert_gate_up[e]);
+        matrices.push_back(&w.expert_down[e]);
+      }
+    } else {
+      matrices.push_back(&w.gate_up);
+      matrices.push_back(&w.down);
+    }
+    for (const QuantMatrix* matrix : matrices) {
       if (!known_format(*matrix)) return 2;
       if (m.amx_from_rows && !amx_format(*matrix)) return 3;  // tiles run int4 with fp16 scales only
     }

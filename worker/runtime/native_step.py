@@ -1,4 +1,4 @@
-"""Engine steps of a dense decoder in one native call (worker/native/decoder_step.cpp), where the CPU allows.
+"""Engine steps of a decoder in one native call (worker/native/decoder_step.cpp), where the CPU allows.
 
 A torch step of a small model is hundreds of small operators; this runs the whole step (every layer,
 the head) as one function over float32 activations, with integer x int16 VNNI dot products for the
@@ -12,11 +12,11 @@ prompts, oneDNN's GEMM is faster from there on), elsewhere every step. The torch
 pool, so a sequence moves between the two freely. A step that ends a long prompt runs as two
 (worker/runtime/long_prompts.py), so that only the row giving the answer's first token stays on int16 x.
 
-Every dense family runs on the one step: `describe` reads what sets a model apart from Llama off the
+Every family runs on the one step: `model_form` reads what sets a model apart from Llama off the
 torch model the loader built (its norms, their +1 already folded in for Gemma, q/k norms, windows,
-rotary tables, the attention's scale and soft cap, the MLP's activation, the embedding scale, the
-final soft cap) and the checkpoint (the linears' blocks, q/k/v biases), so the two paths cannot disagree
-on a family's arithmetic. `unsupported(model, checkpoint)` says why a model cannot run here (None when
+rotary tables, the attention's scale and soft cap, the MLP's activation, a sparse MLP's routing, the
+embedding scale, the final soft cap) and the checkpoint (the linears' blocks, q/k/v biases, a sparse
+layer's router and experts), so the two paths cannot disagree on a family's arithmetic. `unsupported(model, checkpoint)` says why a model cannot run here (None when
 it can); whether it does is worker/runtime/select.py's decision, and worker/runtime/cpu_native.py the
 backend that calls it.
 """
@@ -34,6 +34,7 @@ from worker.batch import PagedKV, StepBatch
 from worker.model.checkpoint import Checkpoint
 from worker.model.decoder import Block, DecoderModel, GatedMLP
 from worker.model.llama import DecoderLayer, LlamaModel
+from worker.model.moe import SparseMoE
 from worker.model.native_pack import (
     BLOCK_N,
     NATIVE_TYPES,
@@ -76,7 +77,9 @@ class LayerWeights(ctypes.Structure):
     _fields_ = [("qkv", QuantMatrix), ("o", QuantMatrix), ("gate_up", QuantMatrix), ("down", QuantMatrix)] + [
         (name, ctypes.c_void_p)
         for name in ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm", "attention_out_norm", "mlp_out_norm")
-    ] + [("window", ctypes.c_int64), ("rotary", ctypes.c_int64)]  # fmt: skip
+    ] + [(name, ctypes.c_int64) for name in ("window", "rotary", "experts", "top_k", "normalize_top_k", "expert_intermediate")] + [
+        ("router", ctypes.c_void_p), ("expert_gate_up", ctypes.c_void_p), ("expert_down", ctypes.c_void_p),
+    ]  # fmt: skip
 
 
 class ModelStruct(ctypes.Structure):
@@ -140,6 +143,7 @@ class LayerForm:
     mlp_out_norm: RMSNorm | None = None
     scale: float | None = None  # the factor on q.k; None: 1 / sqrt(head_dim)
     softcap: float | None = None
+    moe: SparseMoE | None = None  # a sparse MLP (its routing: top_k, normalize_top_k); None: a dense one
 
 
 @dataclass(frozen=True)
@@ -158,8 +162,18 @@ def layer_form(layer: torch.nn.Module) -> LayerForm | str:
         return LayerForm(layer.input_norm, layer.post_attention_norm, "silu")
     if not isinstance(layer, Block):
         return f"layers of type {type(layer).__name__} have no native form"
-    if not isinstance(layer.mlp, GatedMLP):
-        return f"a {type(layer.mlp).__name__} MLP (mixture of experts) has no native form"
+    mlp = layer.mlp
+    moe = mlp if isinstance(mlp, SparseMoE) else None
+    if moe is not None:
+        if layer.post_mlp_norm is not None:
+            return "a mixture of experts with a norm on its output has no native form"
+        if not all(isinstance(expert, GatedMLP) for expert in moe.experts):
+            return "experts other than gated MLPs have no native form"
+        if len({expert.activation for expert in moe.experts}) > 1:
+            return "experts with different activations have no native form"
+        mlp = moe.experts[0]
+    elif not isinstance(mlp, GatedMLP):
+        return f"a {type(mlp).__name__} MLP has no native form"
     attention = layer.attention
     attend = attention.attend
     if getattr(attend, "func", attend) is not paged_attention or getattr(attend, "args", ()):
@@ -167,18 +181,19 @@ def layer_form(layer: torch.nn.Module) -> LayerForm | str:
     keywords = dict(getattr(attend, "keywords", {}))
     if set(keywords) - {"scale", "softcap"}:
         return f"attention options {sorted(set(keywords) - {'scale', 'softcap'})} have no native form"
-    if layer.mlp.activation not in ACTIVATIONS:
-        return f"the MLP activation {layer.mlp.activation!r} has no native form"
+    if mlp.activation not in ACTIVATIONS:
+        return f"the MLP activation {mlp.activation!r} has no native form"
     form = LayerForm(
         input_norm=layer.input_norm,
         mlp_norm=layer.mlp_norm,
-        activation=layer.mlp.activation,
+        activation=mlp.activation,
         q_norm=attention.q_norm,
         k_norm=attention.k_norm,
         attention_out_norm=layer.post_attention_norm,
         mlp_out_norm=layer.post_mlp_norm,
         scale=keywords.get("scale"),
         softcap=keywords.get("softcap"),
+        moe=moe,
     )
     norms = (form.input_norm, form.mlp_norm, form.q_norm, form.k_norm, form.attention_out_norm, form.mlp_out_norm)
     if any(norm is not None and not isinstance(norm, RMSNorm) for norm in norms):
@@ -205,6 +220,8 @@ def model_form(model: torch.nn.Module) -> ModelForm | str:
         layers.append(form)
     if len({(f.scale, f.softcap) for f in layers}) > 1:
         return "layers with different attention scales or soft caps have no native form"
+    if len({f.activation for f in layers}) > 1:
+        return "layers with different MLP activations have no native form"
     return ModelForm(layers, rotaries, layer_rotary, windows, embed_scale, final_softcap)
 
 
@@ -219,6 +236,30 @@ def projection_names(checkpoint: Checkpoint, index: int) -> tuple[list[str], str
         else [mlp + "gate_proj", mlp + "up_proj"]
     )
     return qkv, attn + "o_proj", gate_up, mlp + "down_proj"
+
+
+def expert_names(checkpoint: Checkpoint, index: int, experts: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """Layer `index`'s router weight and each expert's (gate, up, down) modules: Qwen3-MoE's names or Mixtral's."""
+    prefix = f"model.layers.{index}."
+    if prefix + "mlp.gate.weight" in checkpoint.weights:
+        moe = prefix + "mlp."
+        return moe + "gate.weight", [
+            (f"{moe}experts.{e}.gate_proj", f"{moe}experts.{e}.up_proj", f"{moe}experts.{e}.down_proj")
+            for e in range(experts)
+        ]
+    moe = prefix + "block_sparse_moe."
+    return moe + "gate.weight", [
+        (f"{moe}experts.{e}.w1", f"{moe}experts.{e}.w3", f"{moe}experts.{e}.w2") for e in range(experts)
+    ]
+
+
+def linear_names(checkpoint: Checkpoint, form: ModelForm, index: int) -> list[str]:
+    """Every linear module of layer `index` that the native step packs."""
+    qkv, o, gate_up, down = projection_names(checkpoint, index)
+    moe = form.layers[index].moe
+    if moe is None:
+        return [*qkv, o, *gate_up, down]
+    return [*qkv, o, *(name for expert in expert_names(checkpoint, index, len(moe.experts))[1] for name in expert)]
 
 
 def unsupported(model: torch.nn.Module, checkpoint: Checkpoint) -> str | None:
@@ -239,9 +280,11 @@ def unsupported(model: torch.nn.Module, checkpoint: Checkpoint) -> str | None:
     others = sorted(name for name in checkpoint.weights if name.endswith(".bias") and name not in qkv_biases)
     if others:
         return f"the checkpoint has biases the native step does not add ({others[0]})"
+    widths = {expert.intermediate_size for f in form.layers if f.moe is not None for expert in f.moe.experts}
+    if any(width % 64 for width in widths):
+        return f"the kernel takes experts whose width is a multiple of 64 (this model: {sorted(widths)})"
     for index in range(config.num_layers):
-        qkv, o, gate_up, down = projection_names(checkpoint, index)
-        for name in [*qkv, o, *gate_up, down]:
+        for name in linear_names(checkpoint, form, index):
             refusal = kernel_refusal(name, checkpoint.weights[name + ".weight"])
             if refusal:
                 return refusal
@@ -298,6 +341,9 @@ class NativeSteps:
         self._layers = (LayerWeights * len(layers))(*layers)
         if amx_from_rows and not all(f.endswith(" as int4/fp16/32") for f in self.formats.values()):
             log.info("AMX tiles off: they run int4 weights with fp16 scales only; every step on VNNI")
+            amx_from_rows = 0
+        if amx_from_rows and any(layer.moe is not None for layer in form.layers):
+            log.info("AMX tiles off: a mixture of experts runs on VNNI; every step on VNNI")
             amx_from_rows = 0
         head_blocks = head_file_blocks(checkpoint, config)
         self.head_format = "int8 per row" if head_blocks is None else kernel_format(head_blocks)
@@ -390,14 +436,29 @@ class NativeSteps:
     def _layer(self, checkpoint: Checkpoint, form: ModelForm, index: int) -> LayerWeights:
         qkv, o, gate_up, down = projection_names(checkpoint, index)
         layer = form.layers[index]
-        return LayerWeights(
+        weights = LayerWeights(
             qkv=self._matrix(checkpoint, qkv), o=self._matrix(checkpoint, [o]),
-            gate_up=self._matrix(checkpoint, gate_up), down=self._matrix(checkpoint, [down]),
             input_norm=self._optional(layer.input_norm), post_norm=self._optional(layer.mlp_norm),
             qkv_bias=self._bias(checkpoint, qkv), q_norm=self._optional(layer.q_norm), k_norm=self._optional(layer.k_norm),
             attention_out_norm=self._optional(layer.attention_out_norm), mlp_out_norm=self._optional(layer.mlp_out_norm),
             window=form.windows[index], rotary=form.layer_rotary[index],
         )  # fmt: skip
+        if layer.moe is None:
+            weights.gate_up, weights.down = self._matrix(checkpoint, gate_up), self._matrix(checkpoint, [down])
+        else:
+            self._experts(checkpoint, layer.moe, index, weights)
+        return weights
+
+    def _experts(self, checkpoint: Checkpoint, moe: SparseMoE, index: int, weights: LayerWeights) -> None:
+        """A sparse layer's router (float32, as the file holds it) and its experts' matrices, into `weights`."""
+        router, experts = expert_names(checkpoint, index, len(moe.experts))
+        gate_up = (QuantMatrix * len(experts))(*(self._matrix(checkpoint, [gate, up]) for gate, up, _ in experts))
+        down = (QuantMatrix * len(experts))(*(self._matrix(checkpoint, [down]) for _, _, down in experts))
+        self._keep += [gate_up, down]
+        weights.experts, weights.top_k, weights.normalize_top_k = len(experts), moe.top_k, int(moe.normalize_top_k)
+        weights.expert_intermediate = moe.experts[0].intermediate_size
+        weights.router = self._pointer(checkpoint.weights[router].load().float().contiguous())
+        weights.expert_gate_up, weights.expert_down = ctypes.addressof(gate_up), ctypes.addressof(down)
 
     def takes(self, batch: StepBatch, kv: PagedKV) -> bool:
         """Whether the native code runs this step: a bfloat16 CPU pool and fewer tokens than max_rows."""
