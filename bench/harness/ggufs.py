@@ -11,6 +11,10 @@ are smaller than the real model's, the rest is the real model. The quantized typ
 llama.cpp's own `llama-quantize` (bench/harness/build_llama_server.sh builds it from the same sources as
 llama-server), so a Q4_K_M file mixes its block types the way a downloaded one does.
 
+A mixture-of-experts shape (`experts` > 0) has llama.cpp's stacked-expert MLPs instead of the dense one:
+per layer an F32 router (ffn_gate_inp, which llama-quantize never quantizes) and the experts' gate, up
+and down matrices stacked into one 3-D tensor each (ffn_{gate,up,down}_exps).
+
 Weights are N(0, 1/fan_in) (norms 1): activations stay of order one, so neither server meets a NaN.
 """
 
@@ -49,6 +53,9 @@ class Shape:
     post_norms: bool = False  # Gemma 2/3: norms after attention and after the MLP
     sliding_window: int = 0  # Gemma 3: 5 local layers of this window per global one
     local_rope_theta: float = 0.0
+    experts: int = 0  # Qwen3-MoE: every layer's MLP is this many experts (0: a dense MLP of `intermediate`)
+    experts_used: int = 0  # the experts a token's router picks
+    expert_intermediate: int = 0  # each expert's intermediate size (config.json's moe_intermediate_size)
 
 
 SHAPES: dict[str, Shape] = {
@@ -62,6 +69,15 @@ SHAPES: dict[str, Shape] = {
     # google/gemma-3-1b-it
     "gemma-3-1b": Shape("gemma3", 1152, 6912, 26, 4, 1, 256, 1_000_000.0, 1e-6, 32768, qk_norm=True,
                         post_norms=True, sliding_window=512, local_rope_theta=10_000.0),
+    # Qwen/Qwen3-30B-A3B: its real layer (128 experts of 768, 8 used per token; the dense intermediate 6144 is
+    # config.json's, written as llama.cpp's converter does and unused by its all-sparse layers), but 4 of its 48
+    # layers. The per-layer speed is the real model's and a token's time scales with the layers, so the full
+    # model's tokens/s is about 4/48 of this file's (a little less: the head is a larger share of these 4 layers'
+    # time, and the real head is larger). Like every file here its head and embedding are the 49,152-row SmolLM2
+    # vocabulary, tied: 0.10B parameters, where the real model's untied 151,936-row pair holds 0.62B.
+    # Not in BENCH_SHAPES: `--shape qwen3-30b-a3b-4l` (here) or `--shapes qwen3-30b-a3b-4l` (bench/service/shapes.py).
+    "qwen3-30b-a3b-4l": Shape("qwen3moe", 2048, 6144, 4, 32, 4, 128, 1_000_000.0, 1e-6, 40960, qk_norm=True,
+                              experts=128, experts_used=8, expert_intermediate=768),
 }  # fmt: skip
 BENCH_SHAPES = ("llama-3.2-1b", "qwen3-0.6b", "qwen3-1.7b", "gemma-3-1b")
 QUANT_TYPES = ("Q4_0", "Q4_K_M")
@@ -70,9 +86,13 @@ POOL = 1 << 22  # random values drawn once and reused, shifted, by every tensor:
 
 
 def tensor_shapes(shape: Shape, vocab: int) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor name -> numpy shape (rows, columns) in file order; the head is tied to the embedding."""
+    """GGUF tensor name -> numpy shape (rows, columns) in file order; the head is tied to the embedding.
+
+    Stacked experts are (experts, rows, columns): one (rows, columns) matrix per expert.
+    """
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     h, f = shape.hidden, shape.intermediate
+    e, fe = shape.experts, shape.expert_intermediate
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, h)}
     for layer in range(shape.layers):
         p = f"blk.{layer}."
@@ -84,7 +104,12 @@ def tensor_shapes(shape: Shape, vocab: int) -> dict[str, tuple[int, ...]]:
         if shape.post_norms:
             shapes[p + "post_attention_norm.weight"] = (h,)
         shapes[p + "ffn_norm.weight"] = (h,)
-        shapes |= {p + "ffn_gate.weight": (f, h), p + "ffn_up.weight": (f, h), p + "ffn_down.weight": (h, f)}
+        if e:
+            shapes[p + "ffn_gate_inp.weight"] = (e, h)
+            shapes |= {p + "ffn_gate_exps.weight": (e, fe, h), p + "ffn_up_exps.weight": (e, fe, h),
+                       p + "ffn_down_exps.weight": (e, h, fe)}  # fmt: skip
+        else:
+            shapes |= {p + "ffn_gate.weight": (f, h), p + "ffn_up.weight": (f, h), p + "ffn_down.weight": (h, f)}
         if shape.post_norms:
             shapes[p + "post_ffw_norm.weight"] = (h,)
     shapes["output_norm.weight"] = (h,)
@@ -92,7 +117,14 @@ def tensor_shapes(shape: Shape, vocab: int) -> dict[str, tuple[int, ...]]:
 
 
 def parameter_count(shape: Shape, vocab: int) -> int:
+    """Every tensor's values, all experts and the routers included (what lmq's loader reports)."""
     return sum(math.prod(dims) for dims in tensor_shapes(shape, vocab).values())
+
+
+def tensor_dtype(name: str, dims: tuple[int, ...]) -> np.dtype:
+    """F32 for norms and MoE routers (llama.cpp's converter writes, and llama-quantize keeps, ffn_gate_inp
+    in F32), F16 for every other matrix."""
+    return np.dtype(np.float32 if len(dims) == 1 or ".ffn_gate_inp." in name else np.float16)
 
 
 def _hparams(writer: gguf.GGUFWriter, shape: Shape, vocab: int) -> None:
@@ -113,6 +145,10 @@ def _hparams(writer: gguf.GGUFWriter, shape: Shape, vocab: int) -> None:
         writer.add_sliding_window(shape.sliding_window)
     if shape.local_rope_theta:
         writer.add_rope_freq_base_swa(shape.local_rope_theta)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_intermediate)
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, reader: gguf.GGUFReader) -> int:
@@ -130,8 +166,9 @@ def _values(pool: np.ndarray, index: int, dims: tuple[int, ...], name: str) -> n
     count = math.prod(dims)
     start = (index * 7919) % POOL
     values = np.resize(np.roll(pool, -start), count).reshape(dims)
-    scale = 1.0 / math.sqrt(dims[1])
-    return (values * np.float16(scale)).astype(np.float16)
+    scale = 1.0 / math.sqrt(dims[-1])  # fan_in: the columns (of each expert's matrix for a 3-D stack)
+    values *= np.float16(scale)
+    return values.astype(tensor_dtype(name, dims), copy=False)
 
 
 def write_random_gguf(shape: Shape, path: Path, tokenizer_gguf: Path, seed: int = 0, name: str = "") -> Path:
@@ -146,8 +183,8 @@ def write_random_gguf(shape: Shape, path: Path, tokenizer_gguf: Path, seed: int 
     _hparams(writer, shape, vocab)
     copy_tokenizer(writer, reader)
     for tensor_name, dims in shapes.items():
-        dtype = np.float32 if len(dims) == 1 else np.float16
-        writer.add_tensor_info(tensor_name, dims, np.dtype(dtype), math.prod(dims) * np.dtype(dtype).itemsize)
+        dtype = tensor_dtype(tensor_name, dims)
+        writer.add_tensor_info(tensor_name, dims, dtype, math.prod(dims) * dtype.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -171,13 +208,18 @@ def quantize(llama_quantize: Path, source: Path, target: Path, kind: str, thread
 
 def shape_files(name: str, out: Path, tokenizer_gguf: Path, llama_quantize: Path | None,
                 kinds: tuple[str, ...] = QUANT_TYPES) -> dict[str, Path]:  # fmt: skip
-    """kind -> file for one shape (F16 always; each of `kinds` when llama-quantize is given), cached in `out`."""
+    """kind -> file for one shape (each of `kinds` when llama-quantize is given), cached in `out`.
+
+    The F16 file is written when a quantized file (or, without llama-quantize, the F16 itself) is missing, and
+    listed when it is there: once the quantized files exist it may be deleted (the MoE shape's is 5 GB).
+    """
     f16 = out / f"{name}-random.F16.gguf"
-    if not f16.exists():
+    targets = {kind: out / f"{name}-random.{kind}.gguf" for kind in (kinds if llama_quantize else ())}
+    if not f16.exists() and (not targets or not all(target.exists() for target in targets.values())):
         write_random_gguf(SHAPES[name], f16, tokenizer_gguf, name=f"{name} (random weights)")
-    files = {"F16": f16}
-    for kind in kinds if llama_quantize else ():
-        files[kind] = quantize(llama_quantize, f16, out / f"{name}-random.{kind}.gguf", kind)
+    files = {"F16": f16} if f16.exists() else {}
+    for kind, target in targets.items():
+        files[kind] = quantize(llama_quantize, f16, target, kind)
     return files
 
 
