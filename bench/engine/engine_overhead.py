@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.engine.engine_overhead                     # Qwen3-0.6B's shape, 16 streams
     .venv/bin/python -m bench.engine.engine_overhead --streams 16 --tokens 32 --rounds 2
+    .venv/bin/python -m bench.engine.engine_overhead --model .bench/shapes/qwen3-30b-a3b-4l-random.Q4_0.gguf --streams 1
 
 The real Engine on the cpu-native backend (bench/engine/native_families.py's random-weight model, loaded
 in the default CPU mode), greedy streams decoding together; every part of each decode step is timed by
@@ -152,13 +153,16 @@ async def measure(loaded, backend, streams: int, tokens: int, salt: int) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--model", help="a GGUF file instead of the shape (bench/service/shapes.py writes them)")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32, help="generated per stream")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    config = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as directory:
-        path = write_hf_dir(pathlib.Path(directory), config, random_weights(config))
+        if args.model:
+            path = args.model
+        else:
+            path = write_hf_dir(pathlib.Path(directory), SHAPES[args.shape], random_weights(SHAPES[args.shape]))
         loaded = load_model(str(path), device="cpu")
         threads = torch.get_num_threads()  # before the first engine sets this thread's to 1 (compute_thread.py)
         backend = select_backend(loaded, max_threads=threads)
@@ -167,7 +171,9 @@ def main() -> None:
         for round_ in range(args.rounds):
             steps += asyncio.run(measure(loaded, backend, args.streams, args.tokens, salt=round_))
     cpu = cpu_model()
-    print(f"\n{args.shape}, {args.streams} greedy streams, {threads} threads, {cpu}")
+    print(
+        f"\n{pathlib.Path(args.model).name if args.model else args.shape}, {args.streams} greedy streams, {threads} threads, {cpu}"
+    )
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}")
     print(f"{len(steps)} decode steps, ms (median, mean); load {os.getloadavg()}")
     for part in ("wall", *PARTS):

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.engine.native_families                      # Qwen3-0.6B's shape, random weights
     .venv/bin/python -m bench.engine.native_families --shape gemma3-270m --tokens 32 --rounds 2
+    .venv/bin/python -m bench.engine.native_families --model .bench/shapes/qwen3-30b-a3b-4l-random.Q4_0.gguf
     .venv/bin/python -m bench.engine.native_families --baseline main --peers native   # this tree's step beside main's
 
 One random-weight model (the values do not change the time) in the shape's config, written as an HF
@@ -132,15 +133,18 @@ async def run_greedy(engine: Engine, streams: int, tokens: int, salt: int, done:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--model", help="a GGUF file instead of the shape (bench/service/shapes.py writes them)")
     parser.add_argument("--tokens", type=int, default=48, help="generated per stream")
     parser.add_argument("--streams", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", help="a git revision whose native library runs beside this tree's")
     parser.add_argument("--peers", choices=["torch", "native"], default="torch", help="native: no torch path")
     args = parser.parse_args()
-    config = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as directory:  # the native step packs its weights from the files
-        path = write_hf_dir(pathlib.Path(directory), config, random_weights(config))
+        if args.model:
+            path = args.model
+        else:
+            path = write_hf_dir(pathlib.Path(directory), SHAPES[args.shape], random_weights(SHAPES[args.shape]))
         loaded = load_model(str(path), device="cpu")  # the default mode: bfloat16, int4, native steps
         run(loaded, args, pathlib.Path(directory))
 
@@ -162,7 +166,8 @@ def run(loaded: LoadedModel, args: argparse.Namespace, directory: pathlib.Path) 
                 figures.setdefault((name, streams), []).append(rate)
                 print(f"round {round_ + 1} {name:12s} {streams:2d} streams: {rate:7.1f} tok/s", flush=True)
     cpu = cpu_model()
-    print(f"\n{args.shape}, random weights, default CPU mode, {threads} threads, {cpu or platform.processor()}")
+    name = pathlib.Path(args.model).name if args.model else f"{args.shape}, random weights"
+    print(f"\n{name}, default CPU mode, {threads} threads, {cpu or platform.processor()}")
     print(f"native steps served: {dict(backends['native'].served)}")
     peers = [name for name in backends if name != "native"]
     for streams in args.streams:

@@ -10,7 +10,8 @@ AMX tdpbusd where the CPU has it). The measurements come from roofline.cpp, comp
 worker/native/build.py) into .bench/roofline/ and run in a fresh process.
 
 Counted per token: every tensor of the file, except that an embedding not shared with the output head
-reads one row (a head tied to it reads it whole). Attention's reads of the KV cache are left out: at
+reads one row (a head tied to it reads it whole), and a mixture of experts' stacked experts (ffn_*_exps)
+count the share a token's router picks (expert_used_count of expert_count). Attention's reads of the KV cache are left out: at
 the benchmark's few hundred tokens of context they are small beside the weights.
 """
 
@@ -35,8 +36,9 @@ EMBEDDING, HEAD = "token_embd.weight", "output.weight"
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     name: str
-    shape: tuple[int, ...]  # (rows, columns) as numpy reads a GGUF matrix
+    shape: tuple[int, ...]  # (rows, columns) as numpy reads a GGUF matrix; (experts, rows, columns) for stacked experts
     nbytes: int
+    read: float = 1.0  # the share of it one token reads: experts used of experts for stacked experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +79,7 @@ def weight_bytes_per_token(tensors: list[Tensor]) -> int:
         if tensor.name == EMBEDDING and HEAD in names:
             total += tensor.nbytes // tensor.shape[0]
         else:
-            total += tensor.nbytes
+            total += round(tensor.nbytes * tensor.read)
     return total
 
 
@@ -85,9 +87,9 @@ def macs_per_token(tensors: list[Tensor]) -> int:
     """Multiply-adds of one token through the matrices (the head included; an untied embedding is a lookup)."""
     names = {tensor.name for tensor in tensors}
     return sum(
-        math.prod(tensor.shape)
+        round(math.prod(tensor.shape) * tensor.read)
         for tensor in tensors
-        if len(tensor.shape) == 2 and not (tensor.name == EMBEDDING and HEAD in names)
+        if len(tensor.shape) >= 2 and not (tensor.name == EMBEDDING and HEAD in names)
     )
 
 
@@ -110,8 +112,12 @@ def gguf_tensors(path: Path) -> list[Tensor]:
     import gguf
 
     reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    experts = reader.fields.get(f"{arch}.expert_count")
+    used = reader.fields.get(f"{arch}.expert_used_count")
+    picked = used.contents() / experts.contents() if experts and used else 1.0
     return [
-        Tensor(t.name, tuple(int(d) for d in reversed(t.shape)), int(t.n_bytes))
+        Tensor(t.name, tuple(int(d) for d in reversed(t.shape)), int(t.n_bytes), picked if "_exps." in t.name else 1.0)
         for t in reader.tensors
         if t.name not in ("rope_freqs.weight",)
     ]

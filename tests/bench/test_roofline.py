@@ -28,6 +28,16 @@ def test_an_untied_embedding_reads_one_row():
     assert roofline.macs_per_token(UNTIED) == 4096 + 16384 + 64_000
 
 
+def test_a_token_reads_the_experts_its_router_picks():
+    moe = [
+        *TIED,
+        Tensor("blk.0.ffn_gate_inp.weight", (8, 64), 8 * 64 * 4),  # the router, read whole (F32)
+        Tensor("blk.0.ffn_up_exps.weight", (8, 32, 64), 8 * 32 * 64 // 2, read=2 / 8),  # 2 of 8 experts a token
+    ]
+    assert roofline.weight_bytes_per_token(moe) == roofline.weight_bytes_per_token(TIED) + 2048 + 2048
+    assert roofline.macs_per_token(moe) == roofline.macs_per_token(TIED) + 512 + 4096
+
+
 def test_tokens_per_second_ceilings():
     assert roofline.bandwidth_tok_s(500_000_000, 30e9) == pytest.approx(60.0)
     # 2.1 G multiply-adds a token at 400 G ops/s: 4.2 G ops a token, ~95 tokens/s
