@@ -399,16 +399,21 @@ struct Buffers {
 
   Buffers(const Model& m, const Step& s, int threads) {
     const int64_t rows = s.rows;
-    int64_t top_k = 0, expert_width = 0;  // a sparse layer's x rows are its (row, expert) pairs
-    for (int64_t i = 0; i < m.layers; ++i)
-      if (m.layer[i].experts) top_k = std::max(top_k, m.layer[i].top_k), expert_width = std::max(expert_width, m.layer[i].expert_intermediate);
+    int64_t top_k = 0, expert_width = 0, dense_width = 0;  // a sparse layer's x rows are its (row, expert) pairs
+    for (int64_t i = 0; i < m.layers; ++i) {
+      const LayerWeights& w = m.layer[i];
+      if (w.experts)
+        top_k = std::max(top_k, w.top_k), expert_width = std::max(expert_width, w.expert_intermediate);
+      else
+        dense_width = m.intermediate;  // Qwen3-MoE's config states one that its all-sparse layers never use
+    }
     const int64_t x_rows = std::max(rows, rows * top_k);
-    const int64_t widest = std::max({m.hidden, m.intermediate, m.heads * m.head_dim, expert_width}), qkv_n = (m.heads + 2 * m.kv_heads) * m.head_dim;
+    const int64_t widest = std::max({m.hidden, dense_width, m.heads * m.head_dim, expert_width}), qkv_n = (m.heads + 2 * m.kv_heads) * m.head_dim;
     hidden.resize(rows * m.hidden);
     normed.resize(x_rows * widest);
     qkv.resize(rows * qkv_n);
     attention.resize(rows * m.heads * m.head_dim);
-    gate_up.resize(std::max(rows * m.intermediate, rows * top_k * expert_width) * 2);
+    gate_up.resize(std::max(rows * dense_width, rows * top_k * expert_width) * 2);
     out.resize(x_rows * m.hidden);
     chosen.resize(rows * top_k);
     route_weight.resize(rows * top_k);
