@@ -7,7 +7,7 @@ bfloat16 pool. Per step, the largest logit difference stays under LOGIT_ERROR of
 deviation, and KL(torch || native) per row under MEAN_KL / WORST_KL (alone it is blind where tied embeddings
 make a tiny model's distributions one-hot): the two share the int4 weights but not their arithmetic (the
 native step quantizes activations to int16 and its head to int8, keeps activations in float32 where torch
-rounds to bfloat16). Measured: 0.029-0.036 of a standard deviation; dropping any one family's piece from
+rounds to bfloat16). Measured: 0.029-0.036 of a standard deviation (the mixtures of experts 0.022-0.033); dropping any one family's piece from
 the native step (q/k norms, biases, a window, the soft cap, the local rotary, partial rotary) gives 0.12-0.69. A short greedy run gives the same tokens, on
 the first of a few prompts whose run has no near-tie on the torch path (bfloat16 logits tie exactly at
 times: 14.0 and 14.0, where float32 and the native step both say 14.53 against 14.11).
