@@ -39,9 +39,8 @@ from collections import defaultdict
 import torch
 
 import worker.engine as engine_module
-from bench.engine.native_families import SHAPES, random_weights, run_greedy
+from bench.engine.native_families import SHAPES, model_path, run_greedy
 from bench.engine.quality import cpu_model
-from bench.engine.random_models import write_hf_dir
 from worker import compute_thread
 from worker.engine import Engine, SeqOutput
 from worker.model.loader import load_model
@@ -159,11 +158,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        if args.model:
-            path = args.model
-        else:
-            path = write_hf_dir(pathlib.Path(directory), SHAPES[args.shape], random_weights(SHAPES[args.shape]))
-        loaded = load_model(str(path), device="cpu")
+        loaded = load_model(model_path(args.model, args.shape, pathlib.Path(directory)), device="cpu")
         threads = torch.get_num_threads()  # before the first engine sets this thread's to 1 (compute_thread.py)
         backend = select_backend(loaded, max_threads=threads)
         assert backend.name == "cpu-native", "the native step does not serve this shape"

@@ -35,9 +35,8 @@ import time
 import torch
 
 from bench.engine.native_baseline import baseline_library, bit_difference
-from bench.engine.native_families import SHAPES, random_weights
+from bench.engine.native_families import SHAPES, model_path
 from bench.engine.quality import cpu_model
-from bench.engine.random_models import write_hf_dir
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from worker.model.loader import load_model
 from worker.runtime.native_step import PHASES
@@ -57,11 +56,9 @@ def main() -> None:
     args = parser.parse_args()
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as directory:
+        path = model_path(args.model, args.shape, pathlib.Path(directory))
         if args.model:
-            path, args.shape = args.model, pathlib.Path(args.model).name
-        else:
-            config = SHAPES[args.shape]
-            path = str(write_hf_dir(pathlib.Path(directory) / "model", config, random_weights(config)))
+            args.shape = pathlib.Path(args.model).name
         torch_backend = select_backend(load_model(path, device="cpu", cpu_steps="torch"), max_threads=threads)
         native_backend = select_backend(load_model(path, device="cpu"), max_threads=threads)
         native = native_backend.native

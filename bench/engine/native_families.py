@@ -59,6 +59,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+def model_path(model: str | None, shape: str, directory: pathlib.Path) -> str:
+    """A bench's model: the GGUF file `model`, else the shape's random-weight HF directory written under `directory`."""
+    if model:
+        return model
+    return str(write_hf_dir(directory / "model", SHAPES[shape], random_weights(SHAPES[shape])))
+
+
 def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     """HF-named tensors of the shape (q/k norms for Qwen3 and Gemma 3, Gemma's four norms a layer)."""
     generator = torch.Generator().manual_seed(seed)
@@ -141,11 +148,8 @@ def main() -> None:
     parser.add_argument("--peers", choices=["torch", "native"], default="torch", help="native: no torch path")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:  # the native step packs its weights from the files
-        if args.model:
-            path = args.model
-        else:
-            path = write_hf_dir(pathlib.Path(directory), SHAPES[args.shape], random_weights(SHAPES[args.shape]))
-        loaded = load_model(str(path), device="cpu")  # the default mode: bfloat16, int4, native steps
+        path = model_path(args.model, args.shape, pathlib.Path(directory))
+        loaded = load_model(path, device="cpu")  # the default mode: bfloat16, int4, native steps
         run(loaded, args, pathlib.Path(directory))
 
 

@@ -31,9 +31,8 @@ import time
 import torch
 
 from bench.engine.native_baseline import baseline_library, bit_difference
-from bench.engine.native_families import SHAPES, random_weights
+from bench.engine.native_families import SHAPES, model_path
 from bench.engine.quality import cpu_model
-from bench.engine.random_models import write_hf_dir
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from worker.model.loader import load_model
 from worker.runtime.cpu_native import CpuNativeBackend
@@ -61,12 +60,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        if args.model:
-            path = args.model
-        else:
-            config = SHAPES[args.shape]
-            path = write_hf_dir(pathlib.Path(directory) / "model", config, random_weights(config))
-        loaded = load_model(str(path), device="cpu")
+        loaded = load_model(model_path(args.model, args.shape, pathlib.Path(directory)), device="cpu")
         backend = select_backend(loaded, max_threads=torch.get_num_threads())
         assert isinstance(backend, CpuNativeBackend), "the native step does not serve this shape"
         int8_from_rows = backend.native.struct.int8_from_rows if args.int8_from is None else args.int8_from
