@@ -580,10 +580,10 @@ void expert_mlp(const Model& m, const LayerWeights& w, Buffers& b, int64_t rows,
   const int64_t k = w.top_k, width = w.expert_intermediate, pairs = rows * k;
   int64_t begin, end;
   share(rows, begin, end);
+  float* normed = b.out.data();  // each row normalised once, read by its router and its pairs (b.out is free until down)
   for (int64_t r = begin; r < end; ++r) {
-    float* normed = b.normed.data() + r * m.hidden;
-    rms_norm(b.hidden.data() + r * m.hidden, w.post_norm, m.hidden, m.eps, normed);
-    route_row(w, m.hidden, normed, b.chosen.data() + r * k, b.route_weight.data() + r * k);
+    rms_norm(b.hidden.data() + r * m.hidden, w.post_norm, m.hidden, m.eps, normed + r * m.hidden);
+    route_row(w, m.hidden, normed + r * m.hidden, b.chosen.data() + r * k, b.route_weight.data() + r * k);
   }
 #pragma omp barrier
   ExpertPlan& plan = b.plans[omp_get_thread_num()];  // each thread its own copy of the same plan
@@ -594,11 +594,7 @@ void expert_mlp(const Model& m, const LayerWeights& w, Buffers& b, int64_t rows,
     else
       experts_linear(matrices, plan, w.experts, linear_input(b), out, out_width);
   };
-  each_encoded_row(pairs, b, [&](int64_t pair) {
-    float* normed = row_scratch(b, pair, m.hidden);
-    rms_norm(b.hidden.data() + plan.pair_row[pair] * m.hidden, w.post_norm, m.hidden, m.eps, normed);
-    encode_row(normed, m.hidden, b, pair);
-  });
+  each_encoded_row(pairs, b, [&](int64_t pair) { encode_row(normed + plan.pair_row[pair] * m.hidden, m.hidden, b, pair); });
   clock.mark(1);
   each_expert(w.expert_gate_up, b.gate_up.data(), 2 * width);
 #pragma omp barrier
