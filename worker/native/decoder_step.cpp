@@ -474,13 +474,20 @@ void encode_row(const float* x, int64_t k, Buffers& b, int64_t r) {
     quantize_row(x, k, linear_input(b), r);
 }
 
+// f(x) with x as this step's VNNI linears read it: int8 rows, or int16 (this thread's own copy, or the team's).
+template <typename F>
+void with_vnni_input(const Buffers& b, F&& f) {
+  if (b.int8)
+    f(b.int8_rows);
+  else
+    f(linear_input(b));
+}
+
 void linear(const QuantMatrix& w, const Buffers& b, int64_t rows, float* out, bool accumulate) {
   if (b.amx)
     amx_int4_linear(w, b.bf16_rows, rows, out, accumulate);
-  else if (b.int8)
-    quant_linear(w, b.int8_rows, rows, out, accumulate);
   else
-    quant_linear(w, linear_input(b), rows, out, accumulate);
+    with_vnni_input(b, [&](const auto& x) { quant_linear(w, x, rows, out, accumulate); });
 }
 
 // The rows this thread encodes: all of them (b.own), else its share; with the team's barrier after.
@@ -588,11 +595,8 @@ void expert_mlp(const Model& m, const LayerWeights& w, Buffers& b, int64_t rows,
 #pragma omp barrier
   ExpertPlan& plan = b.plans[omp_get_thread_num()];  // each thread its own copy of the same plan
   plan.build(b.chosen.data(), b.route_weight.data(), rows, k, w.experts);
-  auto each_expert = [&](const QuantMatrix* matrices, float* out, int64_t out_width) {
-    if (b.int8)
-      experts_linear(matrices, plan, w.experts, b.int8_rows, out, out_width);
-    else
-      experts_linear(matrices, plan, w.experts, linear_input(b), out, out_width);
+  auto each_expert = [&](const QuantMatrix* matrices, float* out, int64_t out_width) {  // no tiles: lmq_step refuses them
+    with_vnni_input(b, [&](const auto& x) { experts_linear(matrices, plan, w.experts, x, out, out_width); });
   };
   each_encoded_row(pairs, b, [&](int64_t pair) { encode_row(normed + plan.pair_row[pair] * m.hidden, m.hidden, b, pair); });
   clock.mark(1);
