@@ -23,7 +23,8 @@ def build_model(
     name: str = "",
     dense_from_rows: int | None = None,
     head_int8_below: int | None = None,
+    lazy: bool = False,
 ) -> torch.nn.Module:
     """quant: none, int8 or int4 (int4 falls back to int8 for shapes its kernel cannot take); the rest: see WeightBuilder."""
-    builder = WeightBuilder(weights, dtype, quant, device, name, dense_from_rows, head_int8_below)
+    builder = WeightBuilder(weights, dtype, quant, device, name, dense_from_rows, head_int8_below, lazy)
     return family_by_key(config.architecture).build(config, builder).to(device).eval()

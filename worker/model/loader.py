@@ -19,7 +19,7 @@ from worker.model.config import ModelConfig
 from worker.model.dense_copies import dense_copies_fit
 from worker.model.gguf_loader import read_gguf_checkpoint
 from worker.model.hf_loader import read_hf_checkpoint
-from worker.runtime.select import resolve_device, resolve_weight_mode, tiered_cpu_weights
+from worker.runtime.select import native_mode_refusal, resolve_device, resolve_weight_mode, tiered_cpu_weights
 from worker.token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ def load_model(
     weights_note = ""
     if auto_cpu:
         quant, dense_from_rows, head_int8_below, weights_note = _cpu_tiers(checkpoint, torch_dtype, quant)
+    lazy = native_mode_refusal(cpu_steps, torch_device, torch_dtype, quant) is None  # select.py builds what torch runs
     model = build_model(
         checkpoint.config,
         checkpoint.weights,
@@ -131,6 +132,7 @@ def load_model(
         checkpoint.name,
         dense_from_rows,
         head_int8_below,
+        lazy=lazy,
     )
     parameter_count = sum(math.prod(source.shape) for source in checkpoint.weights.values())
     log.info(

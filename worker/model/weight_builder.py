@@ -6,6 +6,7 @@ import torch
 from tqdm import tqdm
 
 from worker.model.config import ModelConfig
+from worker.model.lazy_linear import LazyLinear
 from worker.model.quant_linear import (
     DenseLinear,
     Int4Linear,
@@ -21,7 +22,9 @@ from worker.model.weights import Int4Blocks, TensorSource, WeightMap
 class WeightBuilder:
     """dense_from_rows: with int8/int4, also keep a packed dense copy of every linear for inputs of that many rows or more
     (TieredLinear); None: one set of weights per linear. head_int8_below: run the output head on int8 weights for
-    inputs of fewer rows than this, and on packed dense ones (the same results as F.linear) from there on."""
+    inputs of fewer rows than this, and on packed dense ones (the same results as F.linear) from there on. lazy: every
+    linear a LazyLinear, built on first use, but the head's int8 tier (worker/model/lazy_linear.py: where the native
+    step serves the model, it reads nothing else of them)."""
 
     def __init__(
         self,
@@ -32,8 +35,10 @@ class WeightBuilder:
         name: str = "",
         dense_from_rows: int | None = None,
         head_int8_below: int | None = None,
+        lazy: bool = False,
     ) -> None:
         self.weights, self.dtype, self.quant, self.device, self.name = weights, dtype, quant, device, name
+        self.lazy = lazy
         self.dense_from_rows = dense_from_rows if quant in ("int8", "int4") else None
         self.head_int8_below = head_int8_below if quant in ("int8", "int4") else None
 
@@ -54,6 +59,11 @@ class WeightBuilder:
         missing = [name for name in names if name not in self.weights]
         if missing:
             raise ValueError(f"{self.name or 'checkpoint'}: tensor {missing[0]!r} is missing")
+        if self.lazy:
+            return LazyLinear(lambda: self._linear(names, bias_names))
+        return self._linear(names, bias_names)
+
+    def _linear(self, names: list[str], bias_names: list[str] | None) -> torch.nn.Module:
         sources = [self.weights[name] for name in names]
         bias = self._bias(bias_names)
         shape = (sum(source.shape[0] for source in sources), sources[0].shape[1])
@@ -69,6 +79,10 @@ class WeightBuilder:
         if self.head_int8_below is None:
             return DenseLinear(weight, None)
         small = Int8Linear(weight.float(), None, self.dtype).to(self.device)
+        if self.lazy:  # the native step reads the int8 weights only
+            return TieredLinear(
+                small, LazyLinear(lambda: dense_linear(weight.to(self.dtype), None)), self.head_int8_below
+            )
         return TieredLinear(small, dense_linear(weight.to(self.dtype), None), self.head_int8_below)
 
     def _int4(self, sources: list[TensorSource], bias: torch.Tensor | None) -> torch.nn.Module:

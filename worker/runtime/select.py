@@ -9,13 +9,14 @@ line in `select_backend`.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import torch
 
+from worker.model.lazy_linear import LazyLinear, build_linears
 from worker.model.quant_linear import drop_dense_copies
 from worker.runtime.backend import StepBackend
+from worker.runtime.freed_memory import return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -72,37 +73,56 @@ def select_backend(loaded, *, max_threads: int) -> StepBackend:
         from worker.runtime.native_step import NativeSteps
 
         native = NativeSteps.build(loaded.model, loaded.checkpoint, max_threads, loaded.dense_from_rows, invariant)
-        if native.max_rows is None and loaded.dense_from_rows is not None:
-            dropped = drop_dense_copies(loaded.model)  # packed before the native step serves long prompts too
-            return_freed_memory()
-            log.info("the native step serves every step: %d dense bfloat16 copies let go", dropped)
-            loaded.dense_from_rows = None
+        if native.max_rows is None:
+            _torch_linears_unused(loaded)
+        else:
+            _build_torch_linears(loaded)  # long prompts run on torch
         return CpuNativeBackend(loaded, max_threads, native)
     if invariant:
         log.warning("cpu_steps invariant: %s; torch's steps depend on the batch", reason)
     elif loaded.cpu_steps != "torch":
         log.info("native steps off: %s; steps run on torch", reason)
+    _build_torch_linears(loaded)
     return CpuTorchBackend(loaded, max_threads)
 
 
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc keeps freed memory for later allocations: the
-    dropped copies of the Qwen3-0.6B shape left the worker's RSS at 2.5 GB, 1.2 GB after this)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; absent elsewhere
-    if trim is not None:
-        trim(0)
+def _torch_linears_unused(loaded) -> None:
+    """The native step serves every step: the linears the loader left unbuilt stay so (worker/model/lazy_linear.py),
+    and dense copies built anyway (a linear a torch forward built before) are let go."""
+    dropped = drop_dense_copies(loaded.model)
+    return_freed_memory()
+    unbuilt = sum(isinstance(module, LazyLinear) and module.built is None for module in loaded.model.modules())
+    log.info(
+        "the native step serves every step: %d torch linears left unbuilt, %d dense copies let go", unbuilt, dropped
+    )
+    loaded.dense_from_rows = None
+
+
+def _build_torch_linears(loaded) -> None:
+    built = build_linears(loaded.model)
+    if built:
+        log.info("built the torch path's %d linears", built)
 
 
 def native_refusal(loaded) -> str | None:
     """Why the native step does not serve this CPU model's steps; None when it does."""
     from worker.runtime.native_step import unsupported
 
-    if loaded.cpu_steps == "torch":
-        return "--cpu-steps torch"
-    if loaded.device.type != "cpu":
-        return f"it runs on the CPU, not {loaded.device}"
-    if loaded.dtype != torch.bfloat16 or loaded.quant != "int4":
-        return f"it runs bfloat16/int4 weights, not {str(loaded.dtype).removeprefix('torch.')}/{loaded.quant}"
+    mode = native_mode_refusal(loaded.cpu_steps, loaded.device, loaded.dtype, loaded.quant)
+    if mode is not None:
+        return mode
     if loaded.checkpoint is None:
         return "the model was built in memory, with no checkpoint to pack its int4 blocks from"
     return unsupported(loaded.model, loaded.checkpoint)
+
+
+def native_mode_refusal(cpu_steps: str, device: torch.device, dtype: torch.dtype, quant: str) -> str | None:
+    """Why the native step does not serve a model loaded in this mode; None when it may (the model may still
+    have no native form: native_refusal)."""
+    if cpu_steps == "torch":
+        return "--cpu-steps torch"
+    if device.type != "cpu":
+        return f"it runs on the CPU, not {device}"
+    if dtype != torch.bfloat16 or quant != "int4":
+        return f"it runs bfloat16/int4 weights, not {str(dtype).removeprefix('torch.')}/{quant}"
+    return None
