@@ -20,6 +20,7 @@ from worker.model.weights import QuantBlocks, TensorSource
 
 BLOCK_N = 16  # output rows the kernel computes together
 GROUP = 32  # input values per group of x (its int16 scale)
+PACK_ROWS = 2048  # output rows packed at a time (a multiple of BLOCK_N)
 
 
 class QuantMatrix(ctypes.Structure):
@@ -84,15 +85,9 @@ def pack(blocks: QuantBlocks) -> PackedMatrix:
     n, k = blocks.q.shape
     if n % BLOCK_N or k % GROUP:
         raise ValueError(f"a native matrix needs rows in multiples of {BLOCK_N} and columns of {GROUP}, not {n}x{k}")
-    q = blocks.q.to(torch.int32)
-    if blocks.bits == 8:
-        weights = _pairs(q).to(torch.int8).contiguous()
-    elif blocks.bits == 6:  # signed -32..31, stored as q + 32
-        weights = torch.cat((_nibbles((q + 32) & 0x0F), _crumbs((q + 32) >> 4)), dim=2).contiguous()
-    else:
-        weights = _nibbles(q & 0x0F)
-        if blocks.bits == 5:
-            weights = torch.cat((weights, _high_bits(q >> 4)), dim=2).contiguous()
+    # Row by row of blocks: the bit-twiddling's int32 temporaries take ~12 bytes a weight (1.2 GB at once for a
+    # 49152 x 2048 head), so a whole matrix at a time set the load's peak memory.
+    weights = torch.cat([_weights(blocks.q[rows : rows + PACK_ROWS], blocks.bits) for rows in range(0, n, PACK_ROWS)])
     qtypes = (blocks.qtype,)
     if blocks.super is not None:
         levels = blocks.super
@@ -108,6 +103,17 @@ def pack(blocks: QuantBlocks) -> PackedMatrix:
     dtype = torch.float16 if _fp16_exact(blocks) else torch.float32
     mins = None if blocks.min is None else _by_block(blocks.min.to(dtype))
     return PackedMatrix(weights, _by_block(blocks.scale.to(dtype)), mins, n, k, blocks.bits, blocks.group, qtypes)
+
+
+def _weights(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [N, K] as the kernel stores it for `bits`: [N/16, K/32, ...] (see _pairs, _nibbles, _high_bits, _crumbs)."""
+    q = q.to(torch.int32)
+    if bits == 8:
+        return _pairs(q).to(torch.int8).contiguous()
+    if bits == 6:  # signed -32..31, stored as q + 32
+        return torch.cat((_nibbles((q + 32) & 0x0F), _crumbs((q + 32) >> 4)), dim=2).contiguous()
+    weights = _nibbles(q & 0x0F)
+    return torch.cat((weights, _high_bits(q >> 4)), dim=2).contiguous() if bits == 5 else weights
 
 
 def _min_factor(blocks: QuantBlocks) -> int:

@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from worker.batch import PagedKV, StepBatch
 from worker.model.checkpoint import Checkpoint
@@ -50,6 +51,7 @@ from worker.model.paged_attention import paged_attention
 from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear
 from worker.model.weights import INT4_GROUP, QuantBlocks
 from worker.native import build
+from worker.runtime.freed_memory import return_freed_memory
 from worker.runtime.long_prompts import merge_logits, split_long_prompts
 
 log = logging.getLogger(__name__)
@@ -337,7 +339,11 @@ class NativeSteps:
         self.final_softcap = form.final_softcap
         self._keep: list = []  # every tensor and struct the structs point into
         self.formats: dict[str, str] = {}  # each linear's weights as the kernel reads them, e.g. "Q5_0 as int5/fp16/32"
-        layers = [self._layer(checkpoint, form, index) for index in range(config.num_layers)]
+        layers = []
+        # disable=None: a progress bar only on a terminal, never `\r` lines in a log file
+        for index in tqdm(range(config.num_layers), desc="packing for the native step", unit="layer", disable=None):
+            layers.append(self._layer(checkpoint, form, index))
+            return_freed_memory()  # the layer's temporaries, before the next one's: the load's peak memory
         self._layers = (LayerWeights * len(layers))(*layers)
         if amx_from_rows and not all(f.endswith(" as int4/fp16/32") for f in self.formats.values()):
             log.info("AMX tiles off: they run int4 weights with fp16 scales only; every step on VNNI")
