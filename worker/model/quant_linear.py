@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from worker.model.weights import INT4_GROUP, Int4Blocks
 
+QUANTIZE_ROWS = 8192  # rows Int8Linear quantizes at a time
+
 
 class DenseLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -34,9 +36,15 @@ class Int8Linear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
-        weight = weight.float()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        qweight = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+        # Rows at a time: a whole head's float32 temporaries (Gemma 3's 262144 x 640: 671 MB each) set the load's peak.
+        for rows in range(0, weight.shape[0], QUANTIZE_ROWS):
+            part = weight[rows : rows + QUANTIZE_ROWS].float()
+            part_scale = part.abs().amax(dim=1).clamp(min=1e-12) / 127
+            qweight[rows : rows + QUANTIZE_ROWS] = torch.round(part / part_scale[:, None]).clamp(-127, 127)
+            scale[rows : rows + QUANTIZE_ROWS] = part_scale
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
