@@ -22,6 +22,7 @@ from worker.model.families import UnsupportedModel, family_for_gguf
 from worker.model.families.base import COMMON_GGUF_LAYER_NAMES, GGUF_GLOBAL_NAMES, Family
 from worker.model.gguf_blocks import gguf_blocks
 from worker.model.gguf_metadata import GGUFTensors, Metadata, dequantized, tensor_shape
+from worker.model.gguf_reader import FastArraysReader
 from worker.model.gguf_tokenizer import build_gguf_tokenizer
 from worker.model.weights import Int4Blocks, QuantBlocks, TensorSource, WeightMap
 
@@ -103,7 +104,7 @@ def model_name(path: pathlib.Path) -> str:
 
 
 def read_gguf_checkpoint(path: pathlib.Path) -> Checkpoint:
-    reader = GGUFReader(str(path))
+    reader = FastArraysReader(str(path))
     meta = Metadata(reader)
     family = family_for_gguf(meta)
     _check_types(reader, path)
