@@ -4,6 +4,7 @@ rest; and the engine's answers do not depend on it."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import torch
 
@@ -58,3 +59,10 @@ def test_greedy_answers_are_the_same_on_one_thread_and_on_two(tiny):
     one, two = answers(1), answers(2)
     assert len(one) == 6 and all(len(tokens) == 24 for tokens in one.values())
     assert one == two
+
+
+def test_the_compute_thread_waits_at_most_the_switch_interval_for_the_gil():
+    """The Python around a native step needs the GIL back from the event loop: CPython's 5 ms default is longer
+    than the default model's step (worker/compute_thread.py)."""
+    compute_thread.executor()
+    assert sys.getswitchinterval() == compute_thread.SWITCH_INTERVAL_S < 0.005
