@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import tokenizers
@@ -26,3 +27,5 @@ class Checkpoint:
     chat_template: str  # CHATML_TEMPLATE when the model ships none
     bos_token: str | None
     eos_token_ids: list[int]
+    # Drop the file's pages from this process's resident set (read again on access); a no-op where nothing is mapped.
+    release_file_pages: Callable[[], None] = lambda: None

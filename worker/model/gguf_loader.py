@@ -8,6 +8,7 @@ refuse the file (architecture, tensor types, tokenizer) is checked before any we
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 
@@ -25,6 +26,7 @@ from worker.model.gguf_metadata import GGUFTensors, Metadata, dequantized, tenso
 from worker.model.gguf_reader import FastArraysReader
 from worker.model.gguf_tokenizer import build_gguf_tokenizer
 from worker.model.weights import Int4Blocks, QuantBlocks, TensorSource, WeightMap
+from worker.runtime.freed_memory import drop_mapped_pages
 
 GLOBAL_NAMES = GGUF_GLOBAL_NAMES
 LAYER_NAMES = COMMON_GGUF_LAYER_NAMES  # the llama table (tests invert it to write llama GGUFs)
@@ -122,4 +124,5 @@ def read_gguf_checkpoint(path: pathlib.Path) -> Checkpoint:
         chat_template=meta.get("tokenizer.chat_template") or CHATML_TEMPLATE,
         bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        release_file_pages=functools.partial(drop_mapped_pages, reader.data),
     )

@@ -61,6 +61,13 @@ def tiered_cpu_weights(dtype: str, quant: str, device: torch.device) -> bool:
 def select_backend(loaded, *, max_threads: int) -> StepBackend:
     """The step backend for a loaded model. max_threads: the torch thread's count (the CPU's thread rule),
     and the native step's team."""
+    backend = _backend(loaded, max_threads)
+    if loaded.checkpoint is not None:
+        loaded.checkpoint.release_file_pages()  # every step reads copies: the packed, built or moved weights
+    return backend
+
+
+def _backend(loaded, max_threads: int) -> StepBackend:
     from worker.runtime.cpu_native import CpuNativeBackend
     from worker.runtime.cpu_torch import CpuTorchBackend
     from worker.runtime.cuda import CudaBackend

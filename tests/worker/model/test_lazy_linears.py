@@ -65,3 +65,23 @@ def test_a_backend_that_runs_torch_steps_builds_every_linear_at_selection(monkey
     assert _unbuilt(loaded.model)
     assert isinstance(select.select_backend(loaded, max_threads=2), CpuTorchBackend)
     assert not _unbuilt(loaded.model) and _layer_tensor_bytes(loaded.model) > 0
+
+
+def _mapped_rss_kib(path) -> int:
+    """What this process holds resident of `path`'s mappings (/proc/self/smaps), in KiB."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header: "start-end perms offset dev inode path"
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_the_gguf_s_pages_leave_the_resident_set_once_the_backend_is_chosen() -> None:
+    """Every step reads copies of the file's weights (packed, built or dequantized), so the mapped file's pages
+    need not stay resident: packing reads all of it, and without the release they would (worker/runtime/freed_memory.py)."""
+    loaded = load_model(device="cpu")
+    before = _mapped_rss_kib(loaded.path)
+    select.select_backend(loaded, max_threads=2)
+    assert _mapped_rss_kib(loaded.path) < before
