@@ -21,15 +21,8 @@ class FastArraysReader(GGUFReader):
         item, start = GGUFValueType(int(item_type[0])), orig_offs + 12
         if item == GGUFValueType.STRING:
             strings, end = self._strings(start, int(count[0]))
-            return (
-                end - orig_offs,
-                [item_type, count, *strings],
-                list(range(2, 2 + len(strings))),
-                [
-                    GGUFValueType.ARRAY,
-                    item,
-                ],
-            )
+            data = list(range(2, 2 + len(strings)))  # the parts that hold values: each string's bytes
+            return end - orig_offs, [item_type, count, *strings], data, [GGUFValueType.ARRAY, item]
         numbers = self.gguf_scalar_to_np.get(item)
         if numbers is None:  # an array of arrays: gguf's way
             return super()._get_field_parts(orig_offs, raw_type)

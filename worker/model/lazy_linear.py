@@ -3,8 +3,9 @@
 Why: on a CPU the native step (worker/runtime/native_step.py) packs its own copy of every linear from the
 checkpoint, and reads only the model's structure off the torch model (its norms, rotary tables, the MLP's
 activation, a sparse MLP's routing). Where it serves every step, the torch path's int4 weights and dense copies
-are memory no step reads, and building them is most of the load: on the Llama-3.2-1B shape (Q4_0) they were
-1.5 GB of a 2.4 GB worker and 4.5 of a 6.3 GB peak (docs/models.md, "Memory"). So the loader builds the linears
+are memory no step reads, and building them is most of the load: on the Llama-3.2-1B shape (Q4_0), leaving them
+unbuilt took the load from 30 to 16 s, its peak from 6.3 to 3.9 GB and the worker from 2.36 to 1.78 GB
+(docs/benchmarks.md, "a worker's memory and load time"). So the loader builds the linears
 as LazyLinears where the native step may serve the model, and worker/runtime/select.py builds them all
 (`build_linears`) when the backend it picks runs torch steps. A torch forward over linears left unbuilt (a
 test's reference beside an engine) builds each on first use: the same module the loader would have built, so
