@@ -36,9 +36,13 @@ class LazyLinear(torch.nn.Module):
         return self.materialize()(x)
 
 
+def unbuilt_linears(model: torch.nn.Module) -> list[LazyLinear]:
+    return [module for module in model.modules() if isinstance(module, LazyLinear) and module.built is None]
+
+
 def build_linears(model: torch.nn.Module) -> int:
     """Build every LazyLinear of `model` not built yet; returns how many were built."""
-    unbuilt = [module for module in model.modules() if isinstance(module, LazyLinear) and module.built is None]
+    unbuilt = unbuilt_linears(model)
     for module in unbuilt:
         module.materialize()
     return len(unbuilt)

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from worker.model.lazy_linear import LazyLinear, build_linears
+from worker.model.lazy_linear import build_linears, unbuilt_linears
 from worker.model.quant_linear import drop_dense_copies
 from worker.runtime.backend import StepBackend
 from worker.runtime.freed_memory import return_freed_memory
@@ -98,7 +98,7 @@ def _torch_linears_unused(loaded) -> None:
     and dense copies built anyway (a linear a torch forward built before) are let go."""
     dropped = drop_dense_copies(loaded.model)
     return_freed_memory()
-    unbuilt = sum(isinstance(module, LazyLinear) and module.built is None for module in loaded.model.modules())
+    unbuilt = len(unbuilt_linears(loaded.model))
     log.info(
         "the native step serves every step: %d torch linears left unbuilt, %d dense copies let go", unbuilt, dropped
     )

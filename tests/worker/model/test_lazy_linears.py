@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
-from worker.model.lazy_linear import LazyLinear
+from worker.model.lazy_linear import unbuilt_linears
 from worker.model.loader import load_model
 from worker.native import build
 from worker.runtime import select
@@ -30,10 +30,6 @@ def _layer_tensor_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.dim() >= 2)
 
 
-def _unbuilt(model: torch.nn.Module) -> list[LazyLinear]:
-    return [module for module in model.modules() if isinstance(module, LazyLinear) and module.built is None]
-
-
 def _logits(model: torch.nn.Module, config) -> torch.Tensor:
     prompt = [1, 504, 3458, 282, 4649, 314, 2367, 30, 198, 504, 3458]
     kv = allocate_kv(config, 2, PAGE, torch.bfloat16)
@@ -48,23 +44,23 @@ def test_a_model_the_native_step_serves_at_every_step_keeps_no_torch_linears() -
     if backend.native.max_rows is not None:
         pytest.skip("long prompts run on torch's dense copies on this CPU (AMX tiles)")
     assert _layer_tensor_bytes(loaded.model) == 0
-    assert _unbuilt(loaded.model)
+    assert unbuilt_linears(loaded.model)
 
 
 def test_an_unbuilt_linear_builds_on_first_use_with_the_results_of_one_built_at_load() -> None:
     lazy = load_model(device="cpu")
     eager = load_model(device="cpu", cpu_steps="torch")  # no native step to serve it: built at load
-    assert _unbuilt(lazy.model) and not _unbuilt(eager.model)
+    assert unbuilt_linears(lazy.model) and not unbuilt_linears(eager.model)
     assert torch.equal(_logits(lazy.model, lazy.config), _logits(eager.model, eager.config))
-    assert not _unbuilt(lazy.model.layers)  # the head's dense tier serves 8 rows or more: this step had 1
+    assert not unbuilt_linears(lazy.model.layers)  # the head's dense tier serves 8 rows or more: this step had 1
 
 
 def test_a_backend_that_runs_torch_steps_builds_every_linear_at_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = load_model(device="cpu")
     monkeypatch.setattr(select, "native_refusal", lambda loaded: "refused for this test")
-    assert _unbuilt(loaded.model)
+    assert unbuilt_linears(loaded.model)
     assert isinstance(select.select_backend(loaded, max_threads=2), CpuTorchBackend)
-    assert not _unbuilt(loaded.model) and _layer_tensor_bytes(loaded.model) > 0
+    assert not unbuilt_linears(loaded.model) and _layer_tensor_bytes(loaded.model) > 0
 
 
 def _mapped_rss_kib(path) -> int:
