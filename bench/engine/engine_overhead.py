@@ -39,7 +39,7 @@ from collections import defaultdict
 import torch
 
 import worker.engine as engine_module
-from bench.engine.native_families import SHAPES, model_path, run_greedy
+from bench.engine.native_families import SHAPES, model_label, model_path, run_greedy
 from bench.engine.quality import cpu_model
 from worker import compute_thread
 from worker.engine import Engine, SeqOutput
@@ -166,9 +166,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             steps += asyncio.run(measure(loaded, backend, args.streams, args.tokens, salt=round_))
     cpu = cpu_model()
-    print(
-        f"\n{pathlib.Path(args.model).name if args.model else args.shape}, {args.streams} greedy streams, {threads} threads, {cpu}"
-    )
+    print(f"\n{model_label(args.model, args.shape)}, {args.streams} greedy streams, {threads} threads, {cpu}")
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}")
     print(f"{len(steps)} decode steps, ms (median, mean); load {os.getloadavg()}")
     for part in ("wall", *PARTS):

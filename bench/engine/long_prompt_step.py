@@ -35,7 +35,7 @@ import time
 import torch
 
 from bench.engine.native_baseline import baseline_library, bit_difference
-from bench.engine.native_families import SHAPES, model_path
+from bench.engine.native_families import SHAPES, model_label, model_path
 from bench.engine.quality import cpu_model
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from worker.model.loader import load_model
@@ -57,8 +57,6 @@ def main() -> None:
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as directory:
         path = model_path(args.model, args.shape, pathlib.Path(directory))
-        if args.model:
-            args.shape = pathlib.Path(args.model).name
         torch_backend = select_backend(load_model(path, device="cpu", cpu_steps="torch"), max_threads=threads)
         native_backend = select_backend(load_model(path, device="cpu"), max_threads=threads)
         native = native_backend.native
@@ -98,7 +96,7 @@ def main() -> None:
 
 def report(args, times, phases, logits) -> None:
     cpu = cpu_model()
-    print(f"\n{args.shape}, a {args.tokens}-token prompt in chunks of {args.chunk}, "
+    print(f"\n{model_label(args.model, args.shape)}, a {args.tokens}-token prompt in chunks of {args.chunk}, "
           f"{torch.get_num_threads()} threads, {cpu}; median of {args.rounds} rounds; load {os.getloadavg()}")  # fmt: skip
     base = logits["torch"].log_softmax(-1)
     for name, seconds in times.items():

@@ -66,6 +66,11 @@ def model_path(model: str | None, shape: str, directory: pathlib.Path) -> str:
     return str(write_hf_dir(directory / "model", SHAPES[shape], random_weights(SHAPES[shape])))
 
 
+def model_label(model: str | None, shape: str) -> str:
+    """What a bench's report names its model: the GGUF file's name, else the shape's."""
+    return pathlib.Path(model).name if model else f"{shape} shape, random weights"
+
+
 def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     """HF-named tensors of the shape (q/k norms for Qwen3 and Gemma 3, Gemma's four norms a layer)."""
     generator = torch.Generator().manual_seed(seed)
@@ -170,8 +175,9 @@ def run(loaded: LoadedModel, args: argparse.Namespace, directory: pathlib.Path) 
                 figures.setdefault((name, streams), []).append(rate)
                 print(f"round {round_ + 1} {name:12s} {streams:2d} streams: {rate:7.1f} tok/s", flush=True)
     cpu = cpu_model()
-    name = pathlib.Path(args.model).name if args.model else f"{args.shape}, random weights"
-    print(f"\n{name}, default CPU mode, {threads} threads, {cpu or platform.processor()}")
+    print(
+        f"\n{model_label(args.model, args.shape)}, default CPU mode, {threads} threads, {cpu or platform.processor()}"
+    )
     print(f"native steps served: {dict(backends['native'].served)}")
     peers = [name for name in backends if name != "native"]
     for streams in args.streams:

@@ -31,7 +31,7 @@ import time
 import torch
 
 from bench.engine.native_baseline import baseline_library, bit_difference
-from bench.engine.native_families import SHAPES, model_path
+from bench.engine.native_families import SHAPES, model_label, model_path
 from bench.engine.quality import cpu_model
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
 from worker.model.loader import load_model
@@ -109,8 +109,7 @@ def run(backend: CpuNativeBackend, libraries: dict[str, ctypes.CDLL], rows_list:
 
 def report(libraries, rows_list, times, phases, logits, args) -> None:
     cpu = cpu_model()
-    model = pathlib.Path(args.model).name if args.model else f"{args.shape} shape, random weights"
-    print(f"\n{model}, default CPU mode, {args.threads} threads, {cpu}")
+    print(f"\n{model_label(args.model, args.shape)}, default CPU mode, {args.threads} threads, {cpu}")
     print(
         f"decode steps at context {args.context}, median of {args.rounds} rounds x {args.steps} steps; load {os.getloadavg()}"
     )
