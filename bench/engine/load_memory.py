@@ -39,9 +39,7 @@ from worker.runtime.select import select_backend
 loaded = load_model(sys.argv[1])
 backend = select_backend(loaded, max_threads=2)
 backend.make_kv(backend.kv_page_bytes(16) * {SLOTS * CONTEXT // 16}, 16, {SLOTS})
-seconds = time.perf_counter() - start
-status = dict(line.split(":", 1) for line in pathlib.Path("/proc/self/status").read_text().splitlines())
-print(json.dumps({{"seconds": seconds, **{{k: int(status[k].split()[0]) // 1024 for k in {FIELDS!r}}}}}))
+print(json.dumps({{"seconds": time.perf_counter() - start, "status": pathlib.Path("/proc/self/status").read_text()}}))
 """
 
 
@@ -57,7 +55,14 @@ def lmq(tree: pathlib.Path, model: pathlib.Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(model)], cwd=tree, capture_output=True, text=True, check=True
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"seconds": answer["seconds"], **memory(answer["status"])}
+
+
+def memory(status: str) -> dict[str, int]:
+    """FIELDS in MiB from a /proc/<pid>/status text."""
+    lines = dict(line.split(":", 1) for line in status.splitlines())
+    return {k: int(lines[k].split()[0]) // 1024 for k in FIELDS}
 
 
 def llama_server(binary: str, model: pathlib.Path, logs: pathlib.Path) -> dict:
@@ -69,12 +74,10 @@ def llama_server(binary: str, model: pathlib.Path, logs: pathlib.Path) -> dict:
     try:
         processes.wait_http_ok(f"http://127.0.0.1:{port}/health", [server], timeout_s=300)
         seconds = time.perf_counter() - start
-        status = dict(
-            line.split(":", 1) for line in pathlib.Path(f"/proc/{server.pid}/status").read_text().splitlines()
-        )
+        status = pathlib.Path(f"/proc/{server.pid}/status").read_text()
     finally:
         processes.stop(server)
-    return {"seconds": seconds, **{k: int(status[k].split()[0]) // 1024 for k in FIELDS}}
+    return {"seconds": seconds, **memory(status)}
 
 
 def main(argv: list[str] | None = None) -> int:
