@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from bench.engine.native_baseline import baseline_library, bit_difference
+from bench.engine.native_baseline import baseline_library, bit_difference, embedding_table_for_baselines
 from bench.engine.native_families import SHAPES, model_label, model_path
 from bench.engine.quality import cpu_model
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
@@ -58,7 +58,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         path = model_path(args.model, args.shape, pathlib.Path(directory))
         torch_backend = select_backend(load_model(path, device="cpu", cpu_steps="torch"), max_threads=threads)
-        native_backend = select_backend(load_model(path, device="cpu"), max_threads=threads)
+        native_loaded = load_model(path, device="cpu")
+        native_backend = select_backend(native_loaded, max_threads=threads)
         native = native_backend.native
         ours = native.library
         paths = {
@@ -68,6 +69,7 @@ def main() -> None:
         }
         if args.baseline:
             theirs = baseline_library(args.baseline, pathlib.Path(directory))
+            table = embedding_table_for_baselines(native, native_loaded.model)  # noqa: F841 (alive for the run)
             paths[f"{args.baseline} native"] = (native_backend, native.struct.int8_from_rows, theirs)
         prompt = torch.randint(3, 1000, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
         pages = list(range(-(-args.tokens // PAGE)))

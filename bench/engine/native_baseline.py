@@ -29,6 +29,15 @@ def baseline_library(revision: str, directory: pathlib.Path) -> ctypes.CDLL:
     return loaded
 
 
+def embedding_table_for_baselines(native, model: torch.nn.Module) -> torch.Tensor:
+    """Point the step's `embed` at the model's bfloat16 embedding table too, and return it (the caller keeps it alive):
+    a revision from before the step read the embedding from its file's blocks (worker/native/gguf_rows.h) reads
+    only the table, and this tree's library reads the blocks where it has them."""
+    table = model.embed_tokens.weight
+    native.struct.embed = table.data_ptr()
+    return table
+
+
 def bit_difference(ours: torch.Tensor, theirs: torch.Tensor) -> str:
     """How two libraries' outputs of the same step compare: "bit-identical", or their largest difference."""
     if torch.equal(ours, theirs):

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from bench.engine.native_baseline import baseline_library, bit_difference
+from bench.engine.native_baseline import baseline_library, bit_difference, embedding_table_for_baselines
 from bench.engine.native_families import SHAPES, model_label, model_path
 from bench.engine.quality import cpu_model
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
@@ -69,6 +69,7 @@ def main() -> None:
             libraries["int16 x"] = (backend.native.library, 0)
         if args.baseline:
             libraries[args.baseline] = (baseline_library(args.baseline, pathlib.Path(directory)), int8_from_rows)
+            table = embedding_table_for_baselines(backend.native, loaded.model)  # noqa: F841 (alive for the run)
         run(backend, libraries, [int(r) for r in args.rows.split(",")], args)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from worker.batch import PagedKV, StepBatch
 from worker.model.config import ModelConfig
+from worker.model.embedding import TokenEmbedding
 from worker.model.norm import RMSNorm
 from worker.model.paged_attention import AttentionPlan, paged_attention, plan_attention
 from worker.model.rope import Rotary, apply_partial_rotary, apply_rotary
@@ -140,7 +141,7 @@ class DecoderModel(torch.nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        embed_tokens: torch.Tensor,
+        embed_tokens: TokenEmbedding,
         layers: list[torch.nn.Module],
         norm: torch.nn.Module,
         lm_head: torch.nn.Module,
@@ -152,7 +153,7 @@ class DecoderModel(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = torch.nn.Parameter(embed_tokens, requires_grad=False)
+        self.embed_tokens = embed_tokens
         self.layers = torch.nn.ModuleList(layers)
         self.norm, self.lm_head = norm, lm_head
         self.rotaries = torch.nn.ModuleList(rotaries or [Rotary(config)])
@@ -162,10 +163,10 @@ class DecoderModel(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:
-        device = self.embed_tokens.device
+        device = self.embed_tokens.weight.device
         plans = {window: plan_attention(batch, kv.page_size, device, window) for window in set(self.layer_windows)}
         slots = batch.slots.to(device)
-        hidden = F.embedding(batch.input_ids.to(device), self.embed_tokens)
+        hidden = self.embed_tokens(batch.input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         positions = batch.positions.to(device)

@@ -70,7 +70,10 @@ def _source(
         found = blocks()
         return None if found is None else found.int4()
 
-    return TensorSource(shape=shape, load=load, int4=int4, blocks=blocks, qtype=qtype.name)
+    def file_rows() -> np.ndarray | None:
+        return raw if row_order is None and not shift and len(shape) == 2 else None
+
+    return TensorSource(shape=shape, load=load, int4=int4, blocks=blocks, qtype=qtype.name, file_rows=file_rows)
 
 
 def _check_types(reader: GGUFReader, path: pathlib.Path) -> None:

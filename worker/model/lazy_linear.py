@@ -35,9 +35,22 @@ class LazyLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.materialize()(x)
 
+    def release(self) -> None:
+        """Let the built module go (built again on next use)."""
+        self.built = None
+
 
 def unbuilt_linears(model: torch.nn.Module) -> list[LazyLinear]:
     return [module for module in model.modules() if isinstance(module, LazyLinear) and module.built is None]
+
+
+def release_linears(model: torch.nn.Module) -> int:
+    """Let every built LazyLinear of `model` go (the native step built the head's int8 tier to pack its own copy);
+    returns how many were."""
+    built = [module for module in model.modules() if isinstance(module, LazyLinear) and module.built is not None]
+    for module in built:
+        module.release()
+    return len(built)
 
 
 def build_linears(model: torch.nn.Module) -> int:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from worker.batch import PagedKV, StepBatch
 from worker.model.config import ModelConfig
+from worker.model.embedding import TokenEmbedding
 from worker.model.norm import RMSNorm
 from worker.model.paged_attention import AttentionPlan, paged_attention, plan_attention
 from worker.model.rope import Rotary, apply_rotary
@@ -61,14 +62,14 @@ class LlamaModel(torch.nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        embed_tokens: torch.Tensor,
+        embed_tokens: TokenEmbedding,
         layers: list[DecoderLayer],
         norm: RMSNorm,
         lm_head: torch.nn.Module,
     ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = torch.nn.Parameter(embed_tokens, requires_grad=False)
+        self.embed_tokens = embed_tokens
         self.layers = torch.nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
@@ -76,10 +77,10 @@ class LlamaModel(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: StepBatch, kv: PagedKV) -> torch.Tensor:
-        device = self.embed_tokens.device
+        device = self.embed_tokens.weight.device
         plan = plan_attention(batch, kv.page_size, device)
         slots = batch.slots.to(device)
-        hidden = F.embedding(batch.input_ids.to(device), self.embed_tokens)
+        hidden = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions.to(device), hidden.dtype)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, kv.k[index], kv.v[index], slots, plan)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm import tqdm
 
 from worker.model.config import ModelConfig
+from worker.model.embedding import TokenEmbedding
 from worker.model.lazy_linear import LazyLinear
 from worker.model.quant_linear import (
     DenseLinear,
@@ -23,8 +26,9 @@ class WeightBuilder:
     """dense_from_rows: with int8/int4, also keep a packed dense copy of every linear for inputs of that many rows or more
     (TieredLinear); None: one set of weights per linear. head_int8_below: run the output head on int8 weights for
     inputs of fewer rows than this, and on packed dense ones (the same results as F.linear) from there on. lazy: every
-    linear a LazyLinear, built on first use, but the head's int8 tier (worker/model/lazy_linear.py: where the native
-    step serves the model, it reads nothing else of them)."""
+    linear (the head's tiers too) a LazyLinear and the token embedding unbuilt, each built on first use
+    (worker/model/lazy_linear.py, worker/model/embedding.py: where the native step serves the model, it reads
+    its own copies from the checkpoint instead)."""
 
     def __init__(
         self,
@@ -46,6 +50,12 @@ class WeightBuilder:
         if name not in self.weights:
             raise ValueError(f"{self.name or 'checkpoint'}: tensor {name!r} is missing")
         return self.weights[name].load().to(device=self.device, dtype=self.dtype)
+
+    def embedding(self, name: str) -> TokenEmbedding:
+        """The token embedding table `name`, unbuilt where lazy (worker/model/embedding.py)."""
+        if name not in self.weights:
+            raise ValueError(f"{self.name or 'checkpoint'}: tensor {name!r} is missing")
+        return TokenEmbedding(lambda: self.tensor(name), self.dtype, lazy=self.lazy)
 
     def optional(self, name: str) -> torch.Tensor | None:
         return self.tensor(name) if name in self.weights else None
@@ -74,15 +84,19 @@ class WeightBuilder:
             return self._tiered(Int8Linear(weight, bias, self.dtype).to(self.device), lambda: weight, bias)
         return DenseLinear(weight.to(device=self.device, dtype=self.dtype), bias)
 
-    def head(self, weight: torch.Tensor) -> torch.nn.Module:
-        """The output head over `weight` [vocab, hidden] (often the embeddings themselves)."""
+    def head(self, table: Callable[[], torch.Tensor]) -> torch.nn.Module:
+        """The output head over `table()` [vocab, hidden] (often the embeddings themselves). Lazy: each tier built on
+        first use (the native step reads the int8 one where the file's head is not in blocks it reads)."""
         if self.head_int8_below is None:
-            return DenseLinear(weight, None)
-        small = Int8Linear(weight.float(), None, self.dtype).to(self.device)
-        if self.lazy:  # the native step reads the int8 weights only
+            return LazyLinear(lambda: DenseLinear(table(), None)) if self.lazy else DenseLinear(table(), None)
+        if self.lazy:
             return TieredLinear(
-                small, LazyLinear(lambda: dense_linear(weight.to(self.dtype), None)), self.head_int8_below
+                LazyLinear(lambda: Int8Linear(table().float(), None, self.dtype).to(self.device)),
+                LazyLinear(lambda: dense_linear(table().to(self.dtype), None)),
+                self.head_int8_below,
             )
+        weight = table()
+        small = Int8Linear(weight.float(), None, self.dtype).to(self.device)
         return TieredLinear(small, dense_linear(weight.to(self.dtype), None), self.head_int8_below)
 
     def _int4(self, sources: list[TensorSource], bias: torch.Tensor | None) -> torch.nn.Module:

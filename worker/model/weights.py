@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 INT4_GROUP = 32
@@ -43,6 +44,8 @@ class TensorSource:
     # The file's own quantized blocks for the native step's kernels (GGUF Q4_0 ... Q6_K), else None.
     blocks: Callable[[], QuantBlocks | None] = lambda: None
     qtype: str | None = None  # the file's type name (GGUF: "Q5_0", "F32", ...), None where the format has none
+    # The file's bytes [rows, bytes a row] where its rows are the tensor's as they are (GGUF: not reordered or shifted).
+    file_rows: Callable[[], np.ndarray | None] = lambda: None
 
 
 WeightMap = dict[str, TensorSource]

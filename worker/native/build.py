@@ -28,6 +28,7 @@ HEADERS = (
     SOURCE.with_name("int8_linear.h"),
     SOURCE.with_name("prompt_attention.h"),
     SOURCE.with_name("expert_mlp.h"),
+    SOURCE.with_name("gguf_rows.h"),
 )  # included by SOURCE: part of the cache key
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
          "-mavx512vnni", "-mfma", "-mf16c", "-mamx-tile", "-mamx-bf16")  # fmt: skip

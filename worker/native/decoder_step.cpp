@@ -54,6 +54,7 @@
 
 #include "quant_linear.h"
 #include "int8_linear.h"
+#include "gguf_rows.h"
 
 extern "C" {
 
@@ -88,7 +89,7 @@ struct Model {
   float attention_scale;     // the factor on q.k (1 / sqrt(head_dim), Gemma: query_pre_attn_scalar^-0.5)
   float attention_softcap;   // scores become cap * tanh(score / cap) before the softmax (Gemma 2); 0: none
   int64_t activation;        // the MLP's: 0 SiLU, 1 GELU (tanh approximation)
-  const uint16_t* embed;     // bf16 [vocab, hidden]
+  const uint16_t* embed;     // bf16 [vocab, hidden], or null with embed_blocks
   const LayerWeights* layer;
   const float* final_norm;   // [hidden]
   const int8_t* head;        // [vocab / 16, hidden / 2, 16, 2] int8, or null with head_blocks
@@ -96,6 +97,9 @@ struct Model {
   int64_t amx_from_rows;     // steps of at least this many rows run their linears on AMX tiles (amx_linear.h); 0: none
   const QuantMatrix* head_blocks;  // null, or the head in its file's own blocks (head and head_scale unused then)
   int64_t int8_from_rows;    // steps of at least this many rows (not on tiles, no prompt's last row sampled) take x in int8 (int8_linear.h); 0: none
+  const uint8_t* embed_blocks;  // null, or the embedding in its GGUF file's blocks (gguf_rows.h), rows embed_row_bytes apart
+  int64_t embed_type;           // their GGML type
+  int64_t embed_row_bytes;
 };
 
 struct Step {
@@ -119,6 +123,8 @@ struct Step {
 };
 
 int lmq_step(const Model* model, const Step* step, int threads);
+// Rows `rows[0..n)` of a [?, k] GGUF tensor of `type` as float32 (tests/worker/model/test_gguf_rows.py); 1: no such type here.
+int lmq_gguf_rows(int64_t type, const uint8_t* data, int64_t row_bytes, int64_t k, const int64_t* rows, int64_t n, float* out);
 int lmq_step_phases();
 int lmq_amx_enable();
 }
@@ -136,11 +142,15 @@ inline __m512 load_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-inline void store_bf16(uint16_t* p, __m512 v) {  // round to nearest even
+inline __m512i bf16_bits(__m512 v) {  // v rounded to bfloat16 (nearest even), in the high halves of its lanes
   __m512i bits = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  return _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+}
+
+inline void store_bf16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
 }
 
 inline __m512 exp512(__m512 x) {  // e^x, relative error ~1e-7; x clamped to [-87, 88]
@@ -692,9 +702,17 @@ void prepare_rows(const Model& m, const Step& s, Buffers& b) {
   const int64_t half = m.rotary_dim / 2;
   const __m512 embed_scale = _mm512_set1_ps(m.embed_scale);
   for (int64_t r = 0; r < s.rows; ++r) {
-    const uint16_t* embedding = m.embed + s.ids[r] * m.hidden;
     float* hidden = b.hidden.data() + r * m.hidden;
-    for (int64_t i = 0; i < m.hidden; i += 16) _mm512_storeu_ps(hidden + i, _mm512_mul_ps(load_bf16(embedding + i), embed_scale));
+    if (m.embed_blocks) {  // the values the loader's bfloat16 copy would hold: the file's, rounded to bfloat16
+      gguf_row(m.embed_type, m.embed_blocks, m.embed_row_bytes, m.hidden, s.ids[r], hidden);
+      for (int64_t i = 0; i < m.hidden; i += 16) {
+        const __m512 value = _mm512_castsi512_ps(bf16_bits(_mm512_loadu_ps(hidden + i)));
+        _mm512_storeu_ps(hidden + i, _mm512_mul_ps(value, embed_scale));
+      }
+    } else {
+      const uint16_t* embedding = m.embed + s.ids[r] * m.hidden;
+      for (int64_t i = 0; i < m.hidden; i += 16) _mm512_storeu_ps(hidden + i, _mm512_mul_ps(load_bf16(embedding + i), embed_scale));
+    }
     const float position = static_cast<float>(s.positions[r]);
     for (int64_t t = 0; t < m.rotaries; ++t) {
       const float* inv_freq = m.inv_freq + t * half;
@@ -755,6 +773,7 @@ int lmq_step(const Model* model, const Step* step, int threads) {
   if ((m.head_dim != 64 && m.head_dim != 128 && m.head_dim != 256) || m.heads % m.kv_heads || m.heads / m.kv_heads > 16) return 1;
   if (m.hidden % 64 || m.intermediate % 64 || (m.heads * m.head_dim) % 64 || m.vocab % kBlockN) return 1;
   if (m.rotary_dim % 2 || m.rotary_dim > m.head_dim || m.rotaries < 1 || m.activation < 0 || m.activation > 1) return 1;
+  if (m.embed_blocks ? m.embed_row_bytes < gguf_row_bytes(m.embed_type, m.hidden) || !gguf_row_bytes(m.embed_type, m.hidden) : !m.embed) return 1;
   for (int64_t i = 0; i < m.layers; ++i)
     if (m.layer[i].rotary < 0 || m.layer[i].rotary >= m.rotaries || m.layer[i].window < 0 || !m.layer[i].q_norm != !m.layer[i].k_norm) return 1;
   for (int64_t i = 0; i < m.layers; ++i) {
@@ -793,5 +812,12 @@ int lmq_step(const Model* model, const Step* step, int threads) {
 }
 
 int lmq_step_phases() { return kPhases; }
+
+int lmq_gguf_rows(int64_t type, const uint8_t* data, int64_t row_bytes, int64_t k, const int64_t* rows, int64_t n, float* out) {
+  const int64_t bytes = gguf_row_bytes(type, k);
+  if (bytes == 0 || row_bytes < bytes) return 1;
+  for (int64_t i = 0; i < n; ++i) gguf_row(type, data, row_bytes, k, rows[i], out + i * k);
+  return 0;
+}
 
 int lmq_amx_enable() { return request_amx() ? 1 : 0; }

@@ -6,7 +6,8 @@ linears (AMX bfloat16 tiles for int4 weights in steps of AMX_FROM_ROWS rows or m
 them) and attention that reads K/V straight from the paged pool. Every new token is a row: a decode is
 one row, a prompt chunk one row per token, each attending to its sequence's keys up to its own position.
 It owns a packed copy of the weights (each linear in its file's own GGUF block type, float weights as
-lmq's int4: worker/model/native_pack.py; the head in int8 per row) and serves the steps it can: on a
+lmq's int4: worker/model/native_pack.py; the head in its file's blocks or int8 per row; the token embedding
+in its file's blocks, dequantized a row a token: worker/native/gguf_rows.h) and serves the steps it can: on a
 CPU with AMX, fewer tokens than `max_rows` (where the loader keeps packed bfloat16 copies for long
 prompts, oneDNN's GEMM is faster from there on), elsewhere every step. The torch path writes the same
 pool, so a sequence moves between the two freely. A step that ends a long prompt runs as two
@@ -28,12 +29,15 @@ import ctypes
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from worker.batch import PagedKV, StepBatch
 from worker.model.checkpoint import Checkpoint
 from worker.model.decoder import Block, DecoderModel, GatedMLP
+from worker.model.lazy_linear import LazyLinear
 from worker.model.llama import DecoderLayer, LlamaModel
 from worker.model.moe import SparseMoE
 from worker.model.native_pack import (
@@ -91,7 +95,8 @@ class ModelStruct(ctypes.Structure):
         ("attention_scale", ctypes.c_float), ("attention_softcap", ctypes.c_float), ("activation", ctypes.c_int64),
         ("embed", ctypes.c_void_p), ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
         ("head_scale", ctypes.c_void_p), ("amx_from_rows", ctypes.c_int64), ("head_blocks", ctypes.c_void_p),
-        ("int8_from_rows", ctypes.c_int64),
+        ("int8_from_rows", ctypes.c_int64), ("embed_blocks", ctypes.c_void_p), ("embed_type", ctypes.c_int64),
+        ("embed_row_bytes", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -107,6 +112,8 @@ class StepStruct(ctypes.Structure):
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The output head as (int8 weights [N/16, K/2, 16, 2], per-row scales [N] float32), its rows padded to BLOCK_N."""
     small = head.small if isinstance(head, TieredLinear) else head
+    if isinstance(small, LazyLinear):
+        small = small.materialize()
     if isinstance(small, DenseLinear):
         small = Int8Linear(small.weight, None, torch.float32)
     if not isinstance(small, Int8Linear):
@@ -130,6 +137,17 @@ def head_file_blocks(checkpoint: Checkpoint, config) -> QuantBlocks | None:
     if blocks is None or blocks.bits >= 8 or blocks.q.shape[0] % BLOCK_N or blocks.q.shape[1] != config.hidden_size:
         return None
     return None if blocks.super is not None and config.hidden_size % 256 else blocks  # the kernel's K-quant rule
+
+
+def embedding_file_rows(checkpoint: Checkpoint, config) -> tuple[torch.Tensor, int] | None:
+    """The token embedding as its file holds it, [vocab, bytes a row] uint8 (a copy), and its GGML type, where the
+    native library dequantizes that type a row a token (worker/native/gguf_rows.h: the native kernels' types);
+    None: the step reads the model's bfloat16 table (float files, rows the loader reorders)."""
+    source = checkpoint.weights.get("model.embed_tokens.weight")
+    if source is None or source.qtype not in NATIVE_TYPES or source.shape != (config.vocab_size, config.hidden_size):
+        return None
+    rows = source.file_rows()
+    return None if rows is None else (torch.from_numpy(np.array(rows)), int(GGMLQuantizationType[source.qtype]))
 
 
 @dataclass(frozen=True)
@@ -359,6 +377,9 @@ class NativeSteps:
         else:
             head_q = head_scale = None
             self.head_rows, head_matrix = head_blocks.q.shape[0], matrix(pack_parts([head_blocks]), self._keep)
+        embedding = embedding_file_rows(checkpoint, config)
+        self.embedding_format = "bfloat16" if embedding is None else f"{GGMLQuantizationType(embedding[1]).name} rows"
+        embed_blocks, embed_type = (None, 0) if embedding is None else embedding
         inv_freq = torch.stack([rotary.inv_freq.float() for rotary in form.rotaries]).contiguous()
         rope_factor = torch.tensor([float(rotary.attention_factor) for rotary in form.rotaries], dtype=torch.float32)
         first = form.layers[0]
@@ -368,9 +389,12 @@ class NativeSteps:
             eps=config.rms_norm_eps, rotary_dim=inv_freq.shape[1] * 2, rotaries=len(form.rotaries),
             inv_freq=self._pointer(inv_freq), rope_factor=self._pointer(rope_factor),
             embed_scale=1.0 if form.embed_scale is None else _in_dtype(form.embed_scale, model.embed_tokens.dtype),
+            embed=None if embedding else self._pointer(model.embed_tokens.weight), embed_type=embed_type,
+            embed_blocks=self._optional_pointer(embed_blocks),
+            embed_row_bytes=0 if embed_blocks is None else embed_blocks.shape[1],
             attention_scale=config.head_dim**-0.5 if first.scale is None else first.scale,
             attention_softcap=first.softcap or 0.0, activation=ACTIVATIONS[first.activation],
-            embed=self._pointer(model.embed_tokens.data), layer=ctypes.addressof(self._layers),
+            layer=ctypes.addressof(self._layers),
             final_norm=self._pointer(model.norm.weight.float().contiguous()),
             head=self._optional_pointer(head_q), head_scale=self._optional_pointer(head_scale),
             amx_from_rows=amx_from_rows,
@@ -408,8 +432,8 @@ class NativeSteps:
         kinds = collections.Counter(f.split(" as ")[0] for f in steps.formats.values())
         weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
         log.info(
-            "steps%s run natively (one call per step; linears %s x int16 on VNNI%s; head %s)",
-            limit, weights, tiles, steps.head_format,
+            "steps%s run natively (one call per step; linears %s x int16 on VNNI%s; head %s; embedding %s)",
+            limit, weights, tiles, steps.head_format, steps.embedding_format,
         )  # fmt: skip
         return steps
 

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from worker.model.lazy_linear import build_linears, unbuilt_linears
+from worker.model.lazy_linear import build_linears, release_linears, unbuilt_linears
 from worker.model.quant_linear import drop_dense_copies
 from worker.runtime.backend import StepBackend
 from worker.runtime.freed_memory import return_freed_memory
@@ -95,13 +95,15 @@ def _backend(loaded, max_threads: int) -> StepBackend:
 
 def _torch_linears_unused(loaded) -> None:
     """The native step serves every step: the linears the loader left unbuilt stay so (worker/model/lazy_linear.py),
-    and dense copies built anyway (a linear a torch forward built before) are let go."""
-    dropped = drop_dense_copies(loaded.model)
+    and those built anyway (the head's int8 tier the native step packed its copy from, a linear a torch forward
+    built before) and dense copies are let go."""
+    dropped = drop_dense_copies(loaded.model) + release_linears(loaded.model)
     return_freed_memory()
     unbuilt = len(unbuilt_linears(loaded.model))
     log.info(
-        "the native step serves every step: %d torch linears left unbuilt, %d dense copies let go", unbuilt, dropped
-    )
+        "the native step serves every step: %d torch linears left unbuilt, %d built ones and dense copies let go",
+        unbuilt, dropped,
+    )  # fmt: skip
     loaded.dense_from_rows = None
 
 

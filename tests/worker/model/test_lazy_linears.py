@@ -55,6 +55,20 @@ def test_an_unbuilt_linear_builds_on_first_use_with_the_results_of_one_built_at_
     assert not unbuilt_linears(lazy.model.layers)  # the head's dense tier serves 8 rows or more: this step had 1
 
 
+@pytest.mark.skipif(build.missing_requirements() is not None, reason=f"native step: {build.missing_requirements()}")
+def test_where_the_native_step_serves_every_step_no_torch_embedding_or_head_is_kept() -> None:
+    """The native step reads the embedding from the file's Q8_0 blocks and packs its own head: the torch table
+    stays unbuilt and the head's int8 tier (built to pack from) is let go; a torch forward builds both again."""
+    loaded = load_model(device="cpu")
+    backend = select.select_backend(loaded, max_threads=2)
+    if backend.native.max_rows is not None:
+        pytest.skip("long prompts run on torch's dense copies on this CPU (AMX tiles)")
+    assert backend.native.embedding_format == "Q8_0 rows"
+    assert not loaded.model.embed_tokens.built and unbuilt_linears(loaded.model.lm_head)
+    eager = load_model(device="cpu", cpu_steps="torch")
+    assert torch.equal(_logits(loaded.model, loaded.config), _logits(eager.model, eager.config))
+
+
 def test_a_backend_that_runs_torch_steps_builds_every_linear_at_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = load_model(device="cpu")
     monkeypatch.setattr(select, "native_refusal", lambda loaded: "refused for this test")

@@ -55,9 +55,13 @@ def _shape(part: str) -> tuple[int, int]:
 
 
 def write_mixed_gguf(
-    path: pathlib.Path, tokenizer_dir: pathlib.Path, layer_types: list[dict[str, QType]], head: QType | None = None
+    path: pathlib.Path,
+    tokenizer_dir: pathlib.Path,
+    layer_types: list[dict[str, QType]],
+    head: QType | None = None,
+    embedding: QType | None = None,
 ) -> pathlib.Path:
-    """head: the output head's type (None: F32)."""
+    """head, embedding: the output head's and the token embedding's types (None: F32)."""
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
     merges = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["merges"]
     tokens = sorted(vocab, key=vocab.get)
@@ -78,7 +82,12 @@ def write_mixed_gguf(
     writer.add_bos_token_id(vocab["<|im_start|>"])
     writer.add_eos_token_id(vocab["<|im_end|>"])
     rng = np.random.default_rng(0)
-    writer.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), HIDDEN)) * 0.5).astype(np.float32))
+    if embedding is None:
+        writer.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), HIDDEN)) * 0.5).astype(np.float32))
+    else:
+        writer.add_tensor(
+            "token_embd.weight", raw_tensor(embedding, len(tokens), HIDDEN, seed=3, size=10), raw_dtype=embedding
+        )
     if head is None:
         writer.add_tensor("output.weight", (rng.standard_normal((len(tokens), HIDDEN)) * 0.1).astype(np.float32))
     else:
@@ -194,6 +203,34 @@ def test_a_head_kept_in_fewer_bits_than_int8_runs_on_its_file_blocks(mixed_gguf:
     q8 = write_mixed_gguf(tmp_path / "head.Q8_0.gguf", mixed_gguf.parent / "tokenizer", LAYER_TYPES, QType.Q8_0)
     loaded = load_model(str(q8), dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")
     assert backend_for(loaded).native.head_format == "int8 per row"
+
+
+@pytest.mark.parametrize("embedding", list(KERNEL), ids=lambda qtype: qtype.name)
+def test_the_embedding_is_read_from_its_file_blocks_with_the_bfloat16_table_s_results(
+    mixed_gguf: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, embedding: QType
+) -> None:
+    """The native step dequantizes a token's embedding row from the file's blocks (worker/native/gguf_rows.h)
+    rather than reading a bfloat16 table of the whole vocabulary: the table's values, rounded alike, so the
+    same logits bit for bit, and the torch table is never built."""
+    from worker.runtime import native_step
+
+    path = write_mixed_gguf(
+        tmp_path / "embedding.gguf", mixed_gguf.parent / "tokenizer", LAYER_TYPES, embedding=embedding
+    )
+    ids = list(range(40, 80))
+
+    def native_logits() -> tuple[torch.Tensor, LoadedModel, NativeSteps]:
+        loaded = load_model(str(path), dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")
+        backend = backend_for(loaded)
+        return teacher_forced_logits(backend, ids), loaded, backend.native
+
+    from_blocks, loaded, steps = native_logits()
+    assert steps.embedding_format == f"{embedding.name} rows" and not steps.struct.embed
+    assert not loaded.model.embed_tokens.built
+    monkeypatch.setattr(native_step, "embedding_file_rows", lambda checkpoint, config: None)
+    from_table, loaded, steps = native_logits()
+    assert steps.embedding_format == "bfloat16" and loaded.model.embed_tokens.built
+    assert torch.equal(from_blocks, from_table)
 
 
 def test_a_tiles_step_runs_a_head_kept_in_its_file_blocks_on_int8_x(mixed_gguf: pathlib.Path, tmp_path) -> None:

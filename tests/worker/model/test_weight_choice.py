@@ -55,7 +55,7 @@ def test_the_default_cpu_mode_runs_small_steps_on_int4_long_prompts_on_dense_cop
     build_linears(auto.model)  # left for the torch path to build (worker/model/lazy_linear.py): what it builds
     packs = packed_linear_supported(torch.device("cpu"), torch.bfloat16)
     head = auto.model.lm_head
-    assert isinstance(head, TieredLinear) and isinstance(head.small, Int8Linear)
+    assert isinstance(head, TieredLinear) and isinstance(head.small.built, Int8Linear)
     assert isinstance(head.dense.built, PackedLinear if packs else DenseLinear)
     assert head.dense_from_rows == auto.head_int8_below == loader.HEAD_INT8_BELOW
     gate_up = auto.model.layers[0].gate_up.built
@@ -80,7 +80,7 @@ def test_the_tiered_head_builds_where_onednn_has_no_bfloat16_path(monkeypatch: p
     monkeypatch.setattr(quant_linear, "onednn_packs_bfloat16", lambda: False)
     weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     builder = WeightBuilder({}, torch.bfloat16, "int4", torch.device("cpu"), head_int8_below=4)
-    head = builder.head(weight)
+    head = builder.head(lambda: weight)
     x = torch.randn(8, 32).to(torch.bfloat16)
     assert torch.equal(head(x), F.linear(x, weight.to(torch.bfloat16)))
     assert not dense_copies_fit(torch.bfloat16, 1)

@@ -14,6 +14,7 @@ import torch
 
 from worker.model.config import ModelConfig, RopeScaling, hf_common_fields
 from worker.model.decoder import Attention, GatedMLP
+from worker.model.embedding import TokenEmbedding
 from worker.model.gguf_metadata import GGUFTensors, Metadata
 from worker.model.norm import RMSNorm
 from worker.model.weight_builder import WeightBuilder
@@ -144,7 +145,7 @@ def gated_mlp(
     return GatedMLP(fused_linear(weights, gate_up), fused_linear(weights, [down]), intermediate_size, act)
 
 
-def lm_head(weights: WeightBuilder, config: ModelConfig, embed: torch.Tensor) -> torch.nn.Module:
+def lm_head(weights: WeightBuilder, config: ModelConfig, embed: TokenEmbedding) -> torch.nn.Module:
     if config.tie_word_embeddings or "lm_head.weight" not in weights.weights:
-        return weights.head(embed)
-    return weights.head(weights.tensor("lm_head.weight"))
+        return weights.head(embed.table)
+    return weights.head(lambda: weights.tensor("lm_head.weight"))

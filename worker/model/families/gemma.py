@@ -148,7 +148,7 @@ class Gemma2(Family):
 
     def build(self, config: ModelConfig, weights: WeightBuilder) -> torch.nn.Module:
         layers = [self.layer(config, weights, i) for i in weights.layer_range(config)]
-        embed = weights.tensor("model.embed_tokens.weight")
+        embed = weights.embedding("model.embed_tokens.weight")
         rotaries, layer_rotary = self.rotaries(config)
         return DecoderModel(
             config,

@@ -52,7 +52,7 @@ def split_projections(index: int) -> tuple[list[str], list[str]]:
 
 
 def llama_like_model(config: ModelConfig, weights: WeightBuilder, layers: list[torch.nn.Module]) -> torch.nn.Module:
-    embed = weights.tensor("model.embed_tokens.weight")
+    embed = weights.embedding("model.embed_tokens.weight")
     final_norm = norm(weights, "model.norm.weight", config)
     head = lm_head(weights, config, embed)
     if config.layer_windows or config.rotary_dim != config.head_dim:

@@ -79,7 +79,7 @@ class Qwen3(Family):
 
     def build(self, config: ModelConfig, weights: WeightBuilder) -> torch.nn.Module:
         layers = [self.layer(config, weights, i) for i in weights.layer_range(config)]
-        embed = weights.tensor("model.embed_tokens.weight")
+        embed = weights.embedding("model.embed_tokens.weight")
         return DecoderModel(
             config, embed, layers, norm(weights, "model.norm.weight", config), lm_head(weights, config, embed)
         )

@@ -1,0 +1,44 @@
+"""TokenEmbedding: the model's token embedding table, built the first time something reads it.
+
+Why: on a CPU the native step reads the embedding from its file's own blocks (worker/native/gguf_rows.h: a
+row a token, Q8_0 at 1.06 bytes a value, Q6_K at 0.82), so a bfloat16 copy of the whole table (2 bytes a
+value: Gemma 3 270M's is 320 MiB, a real Llama-3.2-1B's 500 MiB) is memory no step reads. Where the native
+step may serve the model the loader leaves the table unbuilt (WeightBuilder's lazy mode); whatever reads
+`weight` (a torch forward, the native step on a type it does not dequantize) builds it then: the values the
+loader would have built.
+
+A build runs where the forward runs (the engine's compute thread); nothing else calls it concurrently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+class TokenEmbedding(torch.nn.Module):
+    def __init__(self, load: Callable[[], torch.Tensor], dtype: torch.dtype, *, lazy: bool) -> None:
+        super().__init__()
+        self._load = load
+        self.dtype = dtype  # the table's, built or not
+        self._weight: torch.Tensor | None = None if lazy else load()
+
+    @property
+    def built(self) -> bool:
+        return self._weight is not None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table [vocab, hidden], built (and kept) on first use."""
+        if self._weight is None:
+            self._weight = self._load()
+        return self._weight
+
+    def table(self) -> torch.Tensor:
+        """The table without keeping it where it is not built (a tied head's build reads it once)."""
+        return self._load() if self._weight is None else self._weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids.to(self.weight.device), self.weight)
