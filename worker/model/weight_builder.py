@@ -91,12 +91,12 @@ class WeightBuilder:
             return LazyLinear(lambda: DenseLinear(table(), None)) if self.lazy else DenseLinear(table(), None)
         if self.lazy:
             return TieredLinear(
-                LazyLinear(lambda: Int8Linear(table().float(), None, self.dtype).to(self.device)),
+                LazyLinear(lambda: Int8Linear(table(), None, self.dtype).to(self.device)),
                 LazyLinear(lambda: dense_linear(table().to(self.dtype), None)),
                 self.head_int8_below,
             )
         weight = table()
-        small = Int8Linear(weight.float(), None, self.dtype).to(self.device)
+        small = Int8Linear(weight, None, self.dtype).to(self.device)
         return TieredLinear(small, dense_linear(weight.to(self.dtype), None), self.head_int8_below)
 
     def _int4(self, sources: list[TensorSource], bias: torch.Tensor | None) -> torch.nn.Module:
