@@ -362,6 +362,7 @@ class NativeSteps:
         for index in tqdm(range(config.num_layers), desc="packing for the native step", unit="layer", disable=None):
             layers.append(self._layer(checkpoint, form, index))
             return_freed_memory()  # the layer's temporaries, before the next one's: the load's peak memory
+            checkpoint.release_file_pages()  # and the file's pages it read: packed, they are not read again
         self._layers = (LayerWeights * len(layers))(*layers)
         if amx_from_rows and not all(f.endswith(" as int4/fp16/32") for f in self.formats.values()):
             log.info("AMX tiles off: they run int4 weights with fp16 scales only; every step on VNNI")
