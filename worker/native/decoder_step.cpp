@@ -89,7 +89,7 @@ struct Model {
   float attention_scale;     // the factor on q.k (1 / sqrt(head_dim), Gemma: query_pre_attn_scalar^-0.5)
   float attention_softcap;   // scores become cap * tanh(score / cap) before the softmax (Gemma 2); 0: none
   int64_t activation;        // the MLP's: 0 SiLU, 1 GELU (tanh approximation)
-  const uint16_t* embed;     // bf16 [vocab, hidden], or null with embed_blocks
+  const uint16_t* embed;     // bf16 [vocab, hidden], or null with embed_blocks or embed_from_head
   const LayerWeights* layer;
   const float* final_norm;   // [hidden]
   const int8_t* head;        // [vocab / 16, hidden / 2, 16, 2] int8, or null with head_blocks
@@ -100,6 +100,7 @@ struct Model {
   const uint8_t* embed_blocks;  // null, or the embedding in its GGUF file's blocks (gguf_rows.h), rows embed_row_bytes apart
   int64_t embed_type;           // their GGML type
   int64_t embed_row_bytes;
+  int64_t embed_from_head;      // 1: the embedding is the tied head's own blocks (head_blocks), read a row at a time
 };
 
 struct Step {
@@ -698,21 +699,29 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
   clock.mark(8);
 }
 
+// Token `id`'s embedding times embed_scale: from the bfloat16 table, or from the file's values (the tied head's
+// packed blocks, or a copy of the embedding's own) rounded to bfloat16 as the loader's table would hold them.
+void embed_row(const Model& m, int64_t id, float* hidden) {
+  const __m512 embed_scale = _mm512_set1_ps(m.embed_scale);
+  if (!m.embed_from_head && !m.embed_blocks) {
+    const uint16_t* embedding = m.embed + id * m.hidden;
+    for (int64_t i = 0; i < m.hidden; i += 16) _mm512_storeu_ps(hidden + i, _mm512_mul_ps(load_bf16(embedding + i), embed_scale));
+    return;
+  }
+  if (m.embed_from_head)
+    matrix_row(*m.head_blocks, id, hidden);
+  else
+    gguf_row(m.embed_type, m.embed_blocks, m.embed_row_bytes, m.hidden, id, hidden);
+  for (int64_t i = 0; i < m.hidden; i += 16) {
+    const __m512 value = _mm512_castsi512_ps(bf16_bits(_mm512_loadu_ps(hidden + i)));
+    _mm512_storeu_ps(hidden + i, _mm512_mul_ps(value, embed_scale));
+  }
+}
+
 void prepare_rows(const Model& m, const Step& s, Buffers& b) {
   const int64_t half = m.rotary_dim / 2;
-  const __m512 embed_scale = _mm512_set1_ps(m.embed_scale);
   for (int64_t r = 0; r < s.rows; ++r) {
-    float* hidden = b.hidden.data() + r * m.hidden;
-    if (m.embed_blocks) {  // the values the loader's bfloat16 copy would hold: the file's, rounded to bfloat16
-      gguf_row(m.embed_type, m.embed_blocks, m.embed_row_bytes, m.hidden, s.ids[r], hidden);
-      for (int64_t i = 0; i < m.hidden; i += 16) {
-        const __m512 value = _mm512_castsi512_ps(bf16_bits(_mm512_loadu_ps(hidden + i)));
-        _mm512_storeu_ps(hidden + i, _mm512_mul_ps(value, embed_scale));
-      }
-    } else {
-      const uint16_t* embedding = m.embed + s.ids[r] * m.hidden;
-      for (int64_t i = 0; i < m.hidden; i += 16) _mm512_storeu_ps(hidden + i, _mm512_mul_ps(load_bf16(embedding + i), embed_scale));
-    }
+    embed_row(m, s.ids[r], b.hidden.data() + r * m.hidden);
     const float position = static_cast<float>(s.positions[r]);
     for (int64_t t = 0; t < m.rotaries; ++t) {
       const float* inv_freq = m.inv_freq + t * half;
@@ -773,7 +782,10 @@ int lmq_step(const Model* model, const Step* step, int threads) {
   if ((m.head_dim != 64 && m.head_dim != 128 && m.head_dim != 256) || m.heads % m.kv_heads || m.heads / m.kv_heads > 16) return 1;
   if (m.hidden % 64 || m.intermediate % 64 || (m.heads * m.head_dim) % 64 || m.vocab % kBlockN) return 1;
   if (m.rotary_dim % 2 || m.rotary_dim > m.head_dim || m.rotaries < 1 || m.activation < 0 || m.activation > 1) return 1;
-  if (m.embed_blocks ? m.embed_row_bytes < gguf_row_bytes(m.embed_type, m.hidden) || !gguf_row_bytes(m.embed_type, m.hidden) : !m.embed) return 1;
+  if (m.embed_from_head ? !m.head_blocks || m.head_blocks->next || m.head_blocks->k != m.hidden || !known_format(*m.head_blocks)
+      : m.embed_blocks ? m.embed_row_bytes < gguf_row_bytes(m.embed_type, m.hidden) || !gguf_row_bytes(m.embed_type, m.hidden)
+                       : !m.embed)
+    return 1;
   for (int64_t i = 0; i < m.layers; ++i)
     if (m.layer[i].rotary < 0 || m.layer[i].rotary >= m.rotaries || m.layer[i].window < 0 || !m.layer[i].q_norm != !m.layer[i].k_norm) return 1;
   for (int64_t i = 0; i < m.layers; ++i) {

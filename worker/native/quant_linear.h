@@ -409,6 +409,60 @@ void quant_linear(const QuantMatrix& w, const Rows& x, int64_t rows, float* out,
   }
 }
 
+// ---- one row of a packed matrix ----
+
+// Row r of a single-part matrix as floats, a q + m per group: a tied head packed from the embedding's own blocks
+// gives the step a token's embedding row (the file's values bit for bit, as gguf_rows.h reads them) with no
+// second copy of the table. A group's 16 unpacked vectors hold pair p of the block's 16 rows, 2 values a row.
+template <int Bits, typename Scale, int Group, bool Derived>
+void packed_row(const QuantMatrix& w, int64_t r, float* y) {
+  const int64_t block = r / kBlockN, lane = r % kBlockN, groups = w.k / kGroup;
+  const uint8_t* packed = w.weights + block * groups * kGroupBytes<Bits>;
+  const BlockScales<Bits, Scale, Group, Derived> weights_of(w, block);
+  alignas(64) int16_t pairs[kGroup / 2][2 * kBlockN];
+  alignas(64) float a[2][kBlockN], m[kBlockN];
+  for (int64_t g = 0; g < groups; ++g, y += kGroup) {
+    __m512i weights[kGroup / 2];
+    unpack<Bits>(packed + g * kGroupBytes<Bits>, weights);
+    for (int p = 0; p < kGroup / 2; ++p) _mm512_store_si512(pairs[p], weights[p]);
+    constexpr int kSub = kGroup / Group;
+    for (int sub = 0; sub < kSub; ++sub) _mm512_store_ps(a[sub], weights_of.scale(kSub * g + sub, g));
+    if constexpr (BlockScales<Bits, Scale, Group, Derived>::kMins) _mm512_store_ps(m, weights_of.min(g));
+    for (int v = 0; v < kGroup; ++v) {
+      const float scale = a[v / Group][lane], q = pairs[v / 2][2 * lane + v % 2];
+      if constexpr (BlockScales<Bits, Scale, Group, Derived>::kMins)
+        y[v] = scale * q + m[lane];
+      else if constexpr (Derived)
+        y[v] = scale * q + w.m_factor * scale;
+      else
+        y[v] = scale * q;
+    }
+  }
+}
+
+// packed_row for the matrix's format (known_format's); false: a fused matrix of several parts, not read here.
+bool matrix_row(const QuantMatrix& w, int64_t r, float* y) {
+  if (w.next) return false;
+  const auto by_scales = [&](auto bits, auto group) {
+    using Sub = std::conditional_t<(bits.value >= 6), int8_t, uint8_t>;
+    if constexpr (bits.value < 6) {
+      if (w.m_factor) return packed_row<bits.value, uint16_t, group.value, true>(w, r, y);
+    }
+    if (w.scale_bytes == 2) return packed_row<bits.value, uint16_t, group.value, false>(w, r, y);
+    if (w.scale_bytes == 4) return packed_row<bits.value, float, group.value, false>(w, r, y);
+    packed_row<bits.value, Sub, group.value, false>(w, r, y);
+  };
+  using std::integral_constant;
+  switch (w.bits * 100 + w.group) {
+    case 432: by_scales(integral_constant<int, 4>{}, integral_constant<int, 32>{}); return true;
+    case 532: by_scales(integral_constant<int, 5>{}, integral_constant<int, 32>{}); return true;
+    case 832: by_scales(integral_constant<int, 8>{}, integral_constant<int, 32>{}); return true;
+    case 816: by_scales(integral_constant<int, 8>{}, integral_constant<int, 16>{}); return true;
+    case 616: by_scales(integral_constant<int, 6>{}, integral_constant<int, 16>{}); return true;
+    default: return false;
+  }
+}
+
 // ---- int8 head ----
 
 template <int MR>

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType as QType
 from tqdm import tqdm
 
 from worker.batch import PagedKV, StepBatch
@@ -96,7 +96,7 @@ class ModelStruct(ctypes.Structure):
         ("embed", ctypes.c_void_p), ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
         ("head_scale", ctypes.c_void_p), ("amx_from_rows", ctypes.c_int64), ("head_blocks", ctypes.c_void_p),
         ("int8_from_rows", ctypes.c_int64), ("embed_blocks", ctypes.c_void_p), ("embed_type", ctypes.c_int64),
-        ("embed_row_bytes", ctypes.c_int64),
+        ("embed_row_bytes", ctypes.c_int64), ("embed_from_head", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -129,8 +129,7 @@ def head_file_blocks(checkpoint: Checkpoint, config) -> QuantBlocks | None:
     """The output head's own blocks where its file keeps it in fewer bits than int8 (Q4_*, Q5_*, Q6_K: the
     native kernels read them as they are, fewer bytes a token than int8 per row and no second rounding);
     None for an int8-class or float head (Q8_0, F16: int8 per row, as always) or rows not in blocks of 16."""
-    tied = config.tie_word_embeddings or "lm_head.weight" not in checkpoint.weights
-    source = checkpoint.weights.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    source = checkpoint.weights.get("model.embed_tokens.weight" if tied_head(checkpoint, config) else "lm_head.weight")
     if source is None or source.qtype not in NATIVE_TYPES:
         return None
     blocks = source.blocks()
@@ -139,15 +138,35 @@ def head_file_blocks(checkpoint: Checkpoint, config) -> QuantBlocks | None:
     return None if blocks.super is not None and config.hidden_size % 256 else blocks  # the kernel's K-quant rule
 
 
-def embedding_file_rows(checkpoint: Checkpoint, config) -> tuple[torch.Tensor, int] | None:
-    """The token embedding as its file holds it, [vocab, bytes a row] uint8 (a copy), and its GGML type, where the
-    native library dequantizes that type a row a token (worker/native/gguf_rows.h: the native kernels' types);
-    None: the step reads the model's bfloat16 table (float files, rows the loader reorders)."""
+def tied_head(checkpoint: Checkpoint, config) -> bool:
+    return config.tie_word_embeddings or "lm_head.weight" not in checkpoint.weights
+
+
+@dataclass(frozen=True)
+class EmbeddingForm:
+    """Where the native step reads a token's embedding row, each time the file's values rounded to bfloat16 as the
+    loader's table would hold them (so the same logits as from that table): the tied head's own packed blocks
+    (quant_linear.h's matrix_row: no second copy), a copy of the file's blocks [vocab, bytes a row] of a GGML type
+    (gguf_rows.h), or, neither set, the model's bfloat16 table (a float file's, rows the loader reorders)."""
+
+    label: str
+    from_head: bool = False
+    rows: torch.Tensor | None = None
+    ggml_type: int = 0
+
+
+def embedding_form(checkpoint: Checkpoint, config, head_blocks: QuantBlocks | None) -> EmbeddingForm:
+    if head_blocks is not None and tied_head(checkpoint, config):
+        return EmbeddingForm(f"the head's {head_blocks.qtype} blocks", from_head=True)
     source = checkpoint.weights.get("model.embed_tokens.weight")
     if source is None or source.qtype not in NATIVE_TYPES or source.shape != (config.vocab_size, config.hidden_size):
-        return None
+        return EmbeddingForm("bfloat16")
     rows = source.file_rows()
-    return None if rows is None else (torch.from_numpy(np.array(rows)), int(GGMLQuantizationType[source.qtype]))
+    if rows is None:
+        return EmbeddingForm("bfloat16")
+    return EmbeddingForm(
+        f"{source.qtype} rows", rows=torch.from_numpy(np.array(rows)), ggml_type=int(QType[source.qtype])
+    )
 
 
 @dataclass(frozen=True)
@@ -378,9 +397,9 @@ class NativeSteps:
         else:
             head_q = head_scale = None
             self.head_rows, head_matrix = head_blocks.q.shape[0], matrix(pack_parts([head_blocks]), self._keep)
-        embedding = embedding_file_rows(checkpoint, config)
-        self.embedding_format = "bfloat16" if embedding is None else f"{GGMLQuantizationType(embedding[1]).name} rows"
-        embed_blocks, embed_type = (None, 0) if embedding is None else embedding
+        embedding = embedding_form(checkpoint, config, head_blocks)
+        self.embedding_format = embedding.label
+        table = not embedding.from_head and embedding.rows is None
         inv_freq = torch.stack([rotary.inv_freq.float() for rotary in form.rotaries]).contiguous()
         rope_factor = torch.tensor([float(rotary.attention_factor) for rotary in form.rotaries], dtype=torch.float32)
         first = form.layers[0]
@@ -390,9 +409,9 @@ class NativeSteps:
             eps=config.rms_norm_eps, rotary_dim=inv_freq.shape[1] * 2, rotaries=len(form.rotaries),
             inv_freq=self._pointer(inv_freq), rope_factor=self._pointer(rope_factor),
             embed_scale=1.0 if form.embed_scale is None else _in_dtype(form.embed_scale, model.embed_tokens.dtype),
-            embed=None if embedding else self._pointer(model.embed_tokens.weight), embed_type=embed_type,
-            embed_blocks=self._optional_pointer(embed_blocks),
-            embed_row_bytes=0 if embed_blocks is None else embed_blocks.shape[1],
+            embed=self._pointer(model.embed_tokens.weight) if table else None, embed_type=embedding.ggml_type,
+            embed_blocks=self._optional_pointer(embedding.rows), embed_from_head=int(embedding.from_head),
+            embed_row_bytes=0 if embedding.rows is None else embedding.rows.shape[1],
             attention_scale=config.head_dim**-0.5 if first.scale is None else first.scale,
             attention_softcap=first.softcap or 0.0, activation=ACTIVATIONS[first.activation],
             layer=ctypes.addressof(self._layers),

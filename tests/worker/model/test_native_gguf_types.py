@@ -60,8 +60,10 @@ def write_mixed_gguf(
     layer_types: list[dict[str, QType]],
     head: QType | None = None,
     embedding: QType | None = None,
+    tied: bool = False,
 ) -> pathlib.Path:
-    """head, embedding: the output head's and the token embedding's types (None: F32)."""
+    """head, embedding: the output head's and the token embedding's types (None: F32); tied: no output head of
+    its own (the embedding serves)."""
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
     merges = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["merges"]
     tokens = sorted(vocab, key=vocab.get)
@@ -88,7 +90,9 @@ def write_mixed_gguf(
         writer.add_tensor(
             "token_embd.weight", raw_tensor(embedding, len(tokens), HIDDEN, seed=3, size=10), raw_dtype=embedding
         )
-    if head is None:
+    if tied:
+        pass
+    elif head is None:
         writer.add_tensor("output.weight", (rng.standard_normal((len(tokens), HIDDEN)) * 0.1).astype(np.float32))
     else:
         writer.add_tensor("output.weight", raw_tensor(head, len(tokens), HIDDEN, seed=7), raw_dtype=head)
@@ -205,17 +209,19 @@ def test_a_head_kept_in_fewer_bits_than_int8_runs_on_its_file_blocks(mixed_gguf:
     assert backend_for(loaded).native.head_format == "int8 per row"
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["own head", "tied head"])
 @pytest.mark.parametrize("embedding", list(KERNEL), ids=lambda qtype: qtype.name)
 def test_the_embedding_is_read_from_its_file_blocks_with_the_bfloat16_table_s_results(
-    mixed_gguf: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, embedding: QType
+    mixed_gguf: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, embedding: QType, tied: bool
 ) -> None:
-    """The native step dequantizes a token's embedding row from the file's blocks (worker/native/gguf_rows.h)
-    rather than reading a bfloat16 table of the whole vocabulary: the table's values, rounded alike, so the
-    same logits bit for bit, and the torch table is never built."""
+    """The native step dequantizes a token's embedding row from the file's blocks rather than reading a bfloat16
+    table of the whole vocabulary: from the tied head's packed copy where the head runs on the file's blocks
+    (quant_linear.h's matrix_row), else from a copy of the embedding's blocks (worker/native/gguf_rows.h). The
+    table's values, rounded alike, so the same logits bit for bit, and the torch table is never built."""
     from worker.runtime import native_step
 
     path = write_mixed_gguf(
-        tmp_path / "embedding.gguf", mixed_gguf.parent / "tokenizer", LAYER_TYPES, embedding=embedding
+        tmp_path / "embedding.gguf", mixed_gguf.parent / "tokenizer", LAYER_TYPES, embedding=embedding, tied=tied
     )
     ids = list(range(40, 80))
 
@@ -225,9 +231,10 @@ def test_the_embedding_is_read_from_its_file_blocks_with_the_bfloat16_table_s_re
         return teacher_forced_logits(backend, ids), loaded, backend.native
 
     from_blocks, loaded, steps = native_logits()
-    assert steps.embedding_format == f"{embedding.name} rows" and not steps.struct.embed
-    assert not loaded.model.embed_tokens.built
-    monkeypatch.setattr(native_step, "embedding_file_rows", lambda checkpoint, config: None)
+    from_head = tied and embedding != QType.Q8_0  # a Q8_0 head runs as int8 per row
+    assert steps.embedding_format == (f"the head's {embedding.name} blocks" if from_head else f"{embedding.name} rows")
+    assert not steps.struct.embed and not loaded.model.embed_tokens.built
+    monkeypatch.setattr(native_step, "embedding_form", lambda *_: native_step.EmbeddingForm("bfloat16"))
     from_table, loaded, steps = native_logits()
     assert steps.embedding_format == "bfloat16" and loaded.model.embed_tokens.built
     assert torch.equal(from_blocks, from_table)
