@@ -1,11 +1,11 @@
 """TokenEmbedding: the model's token embedding table, built the first time something reads it.
 
-Why: on a CPU the native step reads the embedding from its file's own blocks (worker/native/gguf_rows.h: a
-row a token, Q8_0 at 1.06 bytes a value, Q6_K at 0.82), so a bfloat16 copy of the whole table (2 bytes a
-value: Gemma 3 270M's is 320 MiB, a real Llama-3.2-1B's 500 MiB) is memory no step reads. Where the native
-step may serve the model the loader leaves the table unbuilt (WeightBuilder's lazy mode); whatever reads
-`weight` (a torch forward, the native step on a type it does not dequantize) builds it then: the values the
-loader would have built.
+Why: on a CPU the native step reads the embedding from its file's own blocks, a row a token (the tied head's
+packed copy, or a copy of the embedding's: Q8_0 at 1.06 bytes a value, Q6_K at 0.82; `embedding_form` in
+worker/runtime/native_step.py), so a bfloat16 copy of the whole table (2 bytes a value: Gemma 3 270M's is
+320 MiB, a real Llama-3.2-1B's 500 MiB) is memory no step reads. Where the native step may serve the model
+the loader leaves the table unbuilt (WeightBuilder's lazy mode); whatever reads `weight` (a torch forward,
+the native step on a type it does not dequantize) builds it then: the values the loader would have built.
 
 A build runs where the forward runs (the engine's compute thread); nothing else calls it concurrently.
 """

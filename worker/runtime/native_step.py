@@ -7,7 +7,7 @@ them) and attention that reads K/V straight from the paged pool. Every new token
 one row, a prompt chunk one row per token, each attending to its sequence's keys up to its own position.
 It owns a packed copy of the weights (each linear in its file's own GGUF block type, float weights as
 lmq's int4: worker/model/native_pack.py; the head in its file's blocks or int8 per row; the token embedding
-in its file's blocks, dequantized a row a token: worker/native/gguf_rows.h) and serves the steps it can: on a
+in its file's blocks, dequantized a row a token: `embedding_form`) and serves the steps it can: on a
 CPU with AMX, fewer tokens than `max_rows` (where the loader keeps packed bfloat16 copies for long
 prompts, oneDNN's GEMM is faster from there on), elsewhere every step. The torch path writes the same
 pool, so a sequence moves between the two freely. A step that ends a long prompt runs as two
