@@ -36,6 +36,13 @@ class TokenEmbedding(torch.nn.Module):
             self._weight = self._load()
         return self._weight
 
+    def build(self) -> int:
+        """Build the table now (a backend that runs torch steps, rather than its first step); 1 if it was not built."""
+        if self._weight is not None:
+            return 0
+        self._weight = self._load()
+        return 1
+
     def table(self) -> torch.Tensor:
         """The table without keeping it where it is not built (a tied head's build reads it once)."""
         return self._load() if self._weight is None else self._weight

@@ -108,9 +108,10 @@ def _torch_linears_unused(loaded) -> None:
 
 
 def _build_torch_linears(loaded) -> None:
-    built = build_linears(loaded.model)
+    """The torch path runs steps: its linears and embedding table are built now, not in its first step."""
+    built = build_linears(loaded.model) + loaded.model.embed_tokens.build()
     if built:
-        log.info("built the torch path's %d linears", built)
+        log.info("built the torch path's %d linears and tables", built)
 
 
 def native_refusal(loaded) -> str | None:

@@ -75,6 +75,7 @@ def test_a_backend_that_runs_torch_steps_builds_every_linear_at_selection(monkey
     assert unbuilt_linears(loaded.model)
     assert isinstance(select.select_backend(loaded, max_threads=2), CpuTorchBackend)
     assert not unbuilt_linears(loaded.model) and _layer_tensor_bytes(loaded.model) > 0
+    assert loaded.model.embed_tokens.built
 
 
 def _mapped_rss_kib(path) -> int:
