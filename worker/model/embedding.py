@@ -49,3 +49,8 @@ class TokenEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids.to(self.weight.device), self.weight)
+
+
+def build_tables(model: torch.nn.Module) -> int:
+    """Build every TokenEmbedding of `model` not built yet (a model of its own, a stub's, has none); how many."""
+    return sum(module.build() for module in model.modules() if isinstance(module, TokenEmbedding))

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from worker.model.embedding import build_tables
 from worker.model.lazy_linear import build_linears, release_linears, unbuilt_linears
 from worker.model.quant_linear import drop_dense_copies
 from worker.runtime.backend import StepBackend
@@ -109,7 +110,7 @@ def _torch_linears_unused(loaded) -> None:
 
 def _build_torch_linears(loaded) -> None:
     """The torch path runs steps: its linears and embedding table are built now, not in its first step."""
-    built = build_linears(loaded.model) + loaded.model.embed_tokens.build()
+    built = build_linears(loaded.model) + build_tables(loaded.model)
     if built:
         log.info("built the torch path's %d linears and tables", built)
 
