@@ -9,6 +9,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from worker.native.gguf_rows import dequantize_into
+
 DEQUANTIZE_ROWS = 4096  # rows of a tensor dequantized at a time
 
 
@@ -47,11 +49,14 @@ def tensor_shape(tensor: ReaderTensor) -> tuple[int, ...]:
 
 
 def dequantized(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
-    """float32 values, DEQUANTIZE_ROWS of raw's first dimension at a time: gguf's dequantizer makes temporaries of
-    its output's size, which for a whole large embedding (Gemma 3's 262144 x 640) set the load's peak memory."""
+    """float32 values: by the native library where it reads the type (worker/native/gguf_rows.py, the same values),
+    else DEQUANTIZE_ROWS of raw's first dimension at a time: gguf's dequantizer makes temporaries of its output's
+    size, which for a whole large embedding (Gemma 3's 262144 x 640) set the load's peak memory."""
     out = torch.empty(shape, dtype=torch.float32)
     parts = raw if raw.ndim > 1 else raw[None]
     rows = out.numpy().reshape(parts.shape[0], -1)  # a view: filling it fills out
+    if dequantize_into(parts, int(qtype), rows):
+        return out
     for start in range(0, parts.shape[0], DEQUANTIZE_ROWS):
         values = dequantize(parts[start : start + DEQUANTIZE_ROWS], qtype)
         rows[start : start + DEQUANTIZE_ROWS] = values.reshape(len(values), -1)

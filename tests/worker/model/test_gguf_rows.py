@@ -49,3 +49,17 @@ def test_a_type_it_does_not_read_or_a_row_shorter_than_its_blocks_is_refused() -
     assert native_rows(int(QType.Q2_K), raw, 64, [0])[0] == 1
     assert native_rows(int(QType.Q8_0), raw[:, :34], 64, [0])[0] == 1
     assert native_rows(int(QType.Q4_K), raw_tensor(QType.Q4_K, 2, 256), 96, [0])[0] == 1  # not whole super-blocks
+
+
+@pytest.mark.parametrize("qtype", [*FORMATS, QType.Q2_K, QType.F16], ids=lambda qtype: qtype.name)
+def test_the_loader_dequantizes_the_native_types_natively_and_every_type_to_gguf_s_values(
+    qtype: QType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.model import gguf_metadata
+
+    raw = raw_tensor(qtype, 24, 512, seed=5)
+    expected = dequantize(raw, qtype).reshape(24, 512).astype(np.float32)
+    if qtype in FORMATS:  # served by the native rows: gguf's numpy dequantizer is not called
+        monkeypatch.setattr(gguf_metadata, "dequantize", lambda *_: pytest.fail("gguf's dequantizer was called"))
+    values = gguf_metadata.dequantized(raw, qtype, (24, 512)).numpy()
+    assert np.array_equal(values.view(np.uint32), expected.view(np.uint32))
