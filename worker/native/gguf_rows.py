@@ -8,21 +8,29 @@ library is built for this CPU and reads the type (the native kernels' types); th
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
 from worker.native import build
 
 
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """Asked once a process: the check reads /proc/cpuinfo and hashes the sources (0.6 ms, and a load reads
+    hundreds of tensors)."""
+    return build.load() if build.missing_requirements() is None else None
+
+
 def dequantize_into(raw: np.ndarray, ggml_type: int, out: np.ndarray) -> bool:
     """raw: [rows, bytes a row] uint8 blocks; out: [rows, values a row] float32, filled. False: nothing was done."""
-    if build.missing_requirements() is not None or raw.dtype != np.uint8 or raw.ndim != 2:
+    if raw.dtype != np.uint8 or raw.ndim != 2:
         return False
     if not (
         raw.flags.c_contiguous and out.flags.c_contiguous and out.dtype == np.float32 and out.shape[0] == raw.shape[0]
     ):
         return False
-    library = build.load()
+    library = _library()
     if library is None:
         return False
     rows = np.arange(raw.shape[0], dtype=np.int64)
