@@ -32,8 +32,7 @@ class TokenEmbedding(torch.nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The table [vocab, hidden], built (and kept) on first use."""
-        if self._weight is None:
-            self._weight = self._load()
+        self.build()
         return self._weight
 
     def build(self) -> int:

@@ -46,15 +46,22 @@ class WeightBuilder:
         self.dense_from_rows = dense_from_rows if quant in ("int8", "int4") else None
         self.head_int8_below = head_int8_below if quant in ("int8", "int4") else None
 
+    def _require(self, names: list[str]) -> None:
+        missing = [name for name in names if name not in self.weights]
+        if missing:
+            raise ValueError(f"{self.name or 'checkpoint'}: tensor {missing[0]!r} is missing")
+
+    def _built(self, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """build() now, or where lazy a LazyLinear that calls it on first use."""
+        return LazyLinear(build) if self.lazy else build()
+
     def tensor(self, name: str) -> torch.Tensor:
-        if name not in self.weights:
-            raise ValueError(f"{self.name or 'checkpoint'}: tensor {name!r} is missing")
+        self._require([name])
         return self.weights[name].load().to(device=self.device, dtype=self.dtype)
 
     def embedding(self, name: str) -> TokenEmbedding:
         """The token embedding table `name`, unbuilt where lazy (worker/model/embedding.py)."""
-        if name not in self.weights:
-            raise ValueError(f"{self.name or 'checkpoint'}: tensor {name!r} is missing")
+        self._require([name])
         return TokenEmbedding(lambda: self.tensor(name), self.dtype, lazy=self.lazy)
 
     def optional(self, name: str) -> torch.Tensor | None:
@@ -66,12 +73,8 @@ class WeightBuilder:
 
     def linear(self, names: list[str], bias_names: list[str] | None = None) -> torch.nn.Module:
         """One linear over the concatenated output rows of `names` (fuses q/k/v and gate/up)."""
-        missing = [name for name in names if name not in self.weights]
-        if missing:
-            raise ValueError(f"{self.name or 'checkpoint'}: tensor {missing[0]!r} is missing")
-        if self.lazy:
-            return LazyLinear(lambda: self._linear(names, bias_names))
-        return self._linear(names, bias_names)
+        self._require(names)
+        return self._built(lambda: self._linear(names, bias_names))
 
     def _linear(self, names: list[str], bias_names: list[str] | None) -> torch.nn.Module:
         sources = [self.weights[name] for name in names]
@@ -87,17 +90,16 @@ class WeightBuilder:
     def head(self, table: Callable[[], torch.Tensor]) -> torch.nn.Module:
         """The output head over `table()` [vocab, hidden] (often the embeddings themselves). Lazy: each tier built on
         first use (the native step reads the int8 one where the file's head is not in blocks it reads)."""
+        loaded = None if self.lazy else table()  # built now: one load for both tiers
+
+        def weight() -> torch.Tensor:
+            return table() if loaded is None else loaded
+
         if self.head_int8_below is None:
-            return LazyLinear(lambda: DenseLinear(table(), None)) if self.lazy else DenseLinear(table(), None)
-        if self.lazy:
-            return TieredLinear(
-                LazyLinear(lambda: Int8Linear(table(), None, self.dtype).to(self.device)),
-                LazyLinear(lambda: dense_linear(table().to(self.dtype), None)),
-                self.head_int8_below,
-            )
-        weight = table()
-        small = Int8Linear(weight, None, self.dtype).to(self.device)
-        return TieredLinear(small, dense_linear(weight.to(self.dtype), None), self.head_int8_below)
+            return self._built(lambda: DenseLinear(weight(), None))
+        small = self._built(lambda: Int8Linear(weight(), None, self.dtype).to(self.device))
+        dense = self._built(lambda: dense_linear(weight().to(self.dtype), None))
+        return TieredLinear(small, dense, self.head_int8_below)
 
     def _int4(self, sources: list[TensorSource], bias: torch.Tensor | None) -> torch.nn.Module:
         """A file's own 4-bit blocks as they are, any other matrix quantized to int4; the dense copy (long prompts)
