@@ -355,18 +355,39 @@ void quant_part(const QuantMatrix& w, const Rows& x, int64_t rows, float* out, i
   });
 }
 
-template <int Bits, int Group, typename Rows>
-void by_scales(const QuantMatrix& w, const Rows& x, int64_t rows, float* out, int64_t out_stride, bool accumulate) {
+// A packed format as types, for the templates that read it: Format<Bits, Scale, Group, Derived> (BlockScales' terms).
+template <int B, typename S, int G, bool D>
+struct Format {
+  static constexpr int bits = B, group = G;
+  static constexpr bool derived = D;
+  using Scale = S;
+};
+
+template <int Bits, int Group, typename F>
+void with_scales(const QuantMatrix& w, F&& f) {
   using Sub = std::conditional_t<(Bits >= 6), int8_t, uint8_t>;  // a K-quant's sc: Q6_K's signed, Q4_K/Q5_K's 6-bit
   if constexpr (Bits < 6) {
-    if (w.m_factor) return quant_part<Bits, uint16_t, Group, true>(w, x, rows, out, out_stride, accumulate);
+    if (w.m_factor) return f(Format<Bits, uint16_t, Group, true>{});
   }
   if (w.scale_bytes == 2)
-    quant_part<Bits, uint16_t, Group>(w, x, rows, out, out_stride, accumulate);
+    f(Format<Bits, uint16_t, Group, false>{});
   else if (w.scale_bytes == 4)
-    quant_part<Bits, float, Group>(w, x, rows, out, out_stride, accumulate);
+    f(Format<Bits, float, Group, false>{});
   else
-    quant_part<Bits, Sub, Group>(w, x, rows, out, out_stride, accumulate);
+    f(Format<Bits, Sub, Group, false>{});
+}
+
+// f(Format<...>{}) for one part's format (known_format's); false: a format with no kernel (refused before a step).
+template <typename F>
+bool with_format(const QuantMatrix& w, F&& f) {
+  switch (w.bits * 100 + w.group) {
+    case 432: with_scales<4, 32>(w, f); return true;
+    case 532: with_scales<5, 32>(w, f); return true;
+    case 832: with_scales<8, 32>(w, f); return true;
+    case 816: with_scales<8, 16>(w, f); return true;
+    case 616: with_scales<6, 16>(w, f); return true;
+    default: return false;
+  }
 }
 
 // The formats with a kernel (bits, scale bytes, group); lmq_step refuses a model with any other.
@@ -397,15 +418,10 @@ void quant_linear(const QuantMatrix& w, const Rows& x, int64_t rows, float* out,
   int64_t column = 0;
   for (const QuantMatrix* part = &w; part; column += part->n, part = part->next) {
     const QuantMatrix& p = *part;
-    float* o = out + column;
-    switch (p.bits * 100 + p.group) {
-      case 432: by_scales<4, 32>(p, x, rows, o, stride, accumulate); break;
-      case 532: by_scales<5, 32>(p, x, rows, o, stride, accumulate); break;
-      case 832: by_scales<8, 32>(p, x, rows, o, stride, accumulate); break;
-      case 816: by_scales<8, 16>(p, x, rows, o, stride, accumulate); break;
-      case 616: by_scales<6, 16>(p, x, rows, o, stride, accumulate); break;
-      default: break;  // known_format refused it before the step
-    }
+    with_format(p, [&](auto format) {
+      using F = decltype(format);
+      quant_part<F::bits, typename F::Scale, F::group, F::derived>(p, x, rows, out + column, stride, accumulate);
+    });
   }
 }
 
@@ -443,24 +459,10 @@ void packed_row(const QuantMatrix& w, int64_t r, float* y) {
 // packed_row for the matrix's format (known_format's); false: a fused matrix of several parts, not read here.
 bool matrix_row(const QuantMatrix& w, int64_t r, float* y) {
   if (w.next) return false;
-  const auto by_scales = [&](auto bits, auto group) {
-    using Sub = std::conditional_t<(bits.value >= 6), int8_t, uint8_t>;
-    if constexpr (bits.value < 6) {
-      if (w.m_factor) return packed_row<bits.value, uint16_t, group.value, true>(w, r, y);
-    }
-    if (w.scale_bytes == 2) return packed_row<bits.value, uint16_t, group.value, false>(w, r, y);
-    if (w.scale_bytes == 4) return packed_row<bits.value, float, group.value, false>(w, r, y);
-    packed_row<bits.value, Sub, group.value, false>(w, r, y);
-  };
-  using std::integral_constant;
-  switch (w.bits * 100 + w.group) {
-    case 432: by_scales(integral_constant<int, 4>{}, integral_constant<int, 32>{}); return true;
-    case 532: by_scales(integral_constant<int, 5>{}, integral_constant<int, 32>{}); return true;
-    case 832: by_scales(integral_constant<int, 8>{}, integral_constant<int, 32>{}); return true;
-    case 816: by_scales(integral_constant<int, 8>{}, integral_constant<int, 16>{}); return true;
-    case 616: by_scales(integral_constant<int, 6>{}, integral_constant<int, 16>{}); return true;
-    default: return false;
-  }
+  return with_format(w, [&](auto format) {
+    using F = decltype(format);
+    packed_row<F::bits, typename F::Scale, F::group, F::derived>(w, r, y);
+  });
 }
 
 // ---- int8 head ----
