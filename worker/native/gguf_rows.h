@@ -96,36 +96,33 @@ void row_q6_k(const uint8_t* b, int64_t k, float* y) {
   }
 }
 
+// Each type read here: its values and bytes a block, and its row reader.
+struct RowFormat {
+  int64_t type, block_values, block_bytes;
+  void (*row)(const uint8_t*, int64_t, float*);
+};
+constexpr RowFormat kRowFormats[] = {
+    {kQ4_0, 32, 18, row_32<4, false>}, {kQ4_1, 32, 20, row_32<4, true>}, {kQ5_0, 32, 22, row_32<5, false>},
+    {kQ5_1, 32, 24, row_32<5, true>},  {kQ8_0, 32, 34, row_q8_0},        {kQ4_K, 256, 144, row_k<4>},
+    {kQ5_K, 256, 176, row_k<5>},       {kQ6_K, 256, 210, row_q6_k},
+};
+
+inline const RowFormat* row_format(int64_t type) {
+  for (const RowFormat& format : kRowFormats)
+    if (format.type == type) return &format;
+  return nullptr;
+}
+
 // The bytes of a row of k values of `type`; 0: a type not read here, or k not in its blocks.
 int64_t gguf_row_bytes(int64_t type, int64_t k) {
-  switch (type) {
-    case kQ4_0: return k % 32 ? 0 : k / 32 * 18;
-    case kQ4_1: return k % 32 ? 0 : k / 32 * 20;
-    case kQ5_0: return k % 32 ? 0 : k / 32 * 22;
-    case kQ5_1: return k % 32 ? 0 : k / 32 * 24;
-    case kQ8_0: return k % 32 ? 0 : k / 32 * 34;
-    case kQ4_K: return k % 256 ? 0 : k / 256 * 144;
-    case kQ5_K: return k % 256 ? 0 : k / 256 * 176;
-    case kQ6_K: return k % 256 ? 0 : k / 256 * 210;
-    default: return 0;
-  }
+  const RowFormat* format = row_format(type);
+  return format && k % format->block_values == 0 ? k / format->block_values * format->block_bytes : 0;
 }
 
 // Row `row` of a tensor of `type` whose rows of k values are `row_bytes` apart, as k floats (gguf_row_bytes
 // says which types and widths are read).
 void gguf_row(int64_t type, const uint8_t* data, int64_t row_bytes, int64_t k, int64_t row, float* y) {
-  const uint8_t* b = data + row * row_bytes;
-  switch (type) {
-    case kQ4_0: row_32<4, false>(b, k, y); break;
-    case kQ4_1: row_32<4, true>(b, k, y); break;
-    case kQ5_0: row_32<5, false>(b, k, y); break;
-    case kQ5_1: row_32<5, true>(b, k, y); break;
-    case kQ8_0: row_q8_0(b, k, y); break;
-    case kQ4_K: row_k<4>(b, k, y); break;
-    case kQ5_K: row_k<5>(b, k, y); break;
-    case kQ6_K: row_q6_k(b, k, y); break;
-    default: break;
-  }
+  row_format(type)->row(data + row * row_bytes, k, y);
 }
 
 }  // namespace
