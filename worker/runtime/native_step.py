@@ -37,6 +37,7 @@ from tqdm import tqdm
 from worker.batch import PagedKV, StepBatch
 from worker.model.checkpoint import Checkpoint
 from worker.model.decoder import Block, DecoderModel, GatedMLP
+from worker.model.families.base import tied_head
 from worker.model.lazy_linear import LazyLinear
 from worker.model.llama import DecoderLayer, LlamaModel
 from worker.model.moe import SparseMoE
@@ -129,17 +130,14 @@ def head_file_blocks(checkpoint: Checkpoint, config) -> QuantBlocks | None:
     """The output head's own blocks where its file keeps it in fewer bits than int8 (Q4_*, Q5_*, Q6_K: the
     native kernels read them as they are, fewer bytes a token than int8 per row and no second rounding);
     None for an int8-class or float head (Q8_0, F16: int8 per row, as always) or rows not in blocks of 16."""
-    source = checkpoint.weights.get("model.embed_tokens.weight" if tied_head(checkpoint, config) else "lm_head.weight")
+    tied = tied_head(config, checkpoint.weights)
+    source = checkpoint.weights.get("model.embed_tokens.weight" if tied else "lm_head.weight")
     if source is None or source.qtype not in NATIVE_TYPES:
         return None
     blocks = source.blocks()
     if blocks is None or blocks.bits >= 8 or blocks.q.shape[0] % BLOCK_N or blocks.q.shape[1] != config.hidden_size:
         return None
     return None if blocks.super is not None and config.hidden_size % 256 else blocks  # the kernel's K-quant rule
-
-
-def tied_head(checkpoint: Checkpoint, config) -> bool:
-    return config.tie_word_embeddings or "lm_head.weight" not in checkpoint.weights
 
 
 @dataclass(frozen=True)
@@ -156,7 +154,7 @@ class EmbeddingForm:
 
 
 def embedding_form(checkpoint: Checkpoint, config, head_blocks: QuantBlocks | None) -> EmbeddingForm:
-    if head_blocks is not None and tied_head(checkpoint, config):
+    if head_blocks is not None and tied_head(config, checkpoint.weights):
         return EmbeddingForm(f"the head's {head_blocks.qtype} blocks", from_head=True)
     source = checkpoint.weights.get("model.embed_tokens.weight")
     if source is None or source.qtype not in NATIVE_TYPES or source.shape != (config.vocab_size, config.hidden_size):

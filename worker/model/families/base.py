@@ -18,6 +18,7 @@ from worker.model.embedding import TokenEmbedding
 from worker.model.gguf_metadata import GGUFTensors, Metadata
 from worker.model.norm import RMSNorm
 from worker.model.weight_builder import WeightBuilder
+from worker.model.weights import WeightMap
 
 # llama.cpp's per-layer tensor names (blk.N.<part>) and the HF module each one comes from, as most families have them.
 COMMON_GGUF_LAYER_NAMES = {
@@ -145,7 +146,12 @@ def gated_mlp(
     return GatedMLP(fused_linear(weights, gate_up), fused_linear(weights, [down]), intermediate_size, act)
 
 
+def tied_head(config: ModelConfig, weights: WeightMap) -> bool:
+    """Whether the output head is the token embedding (tied in the config, or no head of its own in the file)."""
+    return config.tie_word_embeddings or "lm_head.weight" not in weights
+
+
 def lm_head(weights: WeightBuilder, config: ModelConfig, embed: TokenEmbedding) -> torch.nn.Module:
-    if config.tie_word_embeddings or "lm_head.weight" not in weights.weights:
+    if tied_head(config, weights.weights):
         return weights.head(embed.table)
     return weights.head(lambda: weights.tensor("lm_head.weight"))
