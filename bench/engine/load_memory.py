@@ -38,7 +38,7 @@ from worker.model.loader import load_model
 from worker.runtime.select import select_backend
 loaded = load_model(sys.argv[1])
 backend = select_backend(loaded, max_threads=2)
-backend.make_kv(backend.kv_page_bytes(16) * {SLOTS * CONTEXT // 16}, 16, {SLOTS})
+kv = backend.make_kv(backend.kv_page_bytes(16) * {SLOTS * CONTEXT // 16}, 16, {SLOTS})
 print(json.dumps({{"seconds": time.perf_counter() - start, "status": pathlib.Path("/proc/self/status").read_text()}}))
 """
 
