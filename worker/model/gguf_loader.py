@@ -73,7 +73,16 @@ def _source(
     def file_rows() -> np.ndarray | None:
         return raw if row_order is None and not shift and len(shape) == 2 else None
 
-    return TensorSource(shape=shape, load=load, int4=int4, blocks=blocks, qtype=qtype.name, file_rows=file_rows)
+    def load_rows(start: int, stop: int) -> torch.Tensor:
+        if row_order is not None or len(shape) != 2 or raw.ndim != 2:
+            return load()[start:stop]
+        part = raw[start:stop]
+        values = dequantized(part, qtype, (len(part), shape[1]))
+        return values - shift if shift else values
+
+    return TensorSource(
+        shape=shape, load=load, int4=int4, blocks=blocks, qtype=qtype.name, file_rows=file_rows, load_rows=load_rows
+    )
 
 
 def _check_types(reader: GGUFReader, path: pathlib.Path) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.model.weights import INT4_GROUP, Int4Blocks
+from worker.model.weights import INT4_GROUP, Int4Blocks, TableRows
 
 QUANTIZE_ROWS = 8192  # rows Int8Linear quantizes at a time
 
@@ -32,12 +32,13 @@ class DenseLinear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
-    """Symmetric int8 weights with one scale per output channel."""
+    """Symmetric int8 weights with one scale per output channel, from a weight tensor or a table read by rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor | TableRows, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
-        qweight = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-        scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+        device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+        qweight = torch.empty(weight.shape, dtype=torch.int8, device=device)
+        scale = torch.empty(weight.shape[0], dtype=torch.float32, device=device)
         # Rows at a time: a whole head's float32 temporaries (Gemma 3's 262144 x 640: 671 MB each) set the load's peak.
         for rows in range(0, weight.shape[0], QUANTIZE_ROWS):
             part = weight[rows : rows + QUANTIZE_ROWS].float()

@@ -19,7 +19,7 @@ from worker.model.quant_linear import (
     int4_supported,
     quantize_int4,
 )
-from worker.model.weights import Int4Blocks, TensorSource, WeightMap
+from worker.model.weights import Int4Blocks, TableRows, TensorSource, WeightMap
 
 
 class WeightBuilder:
@@ -87,19 +87,29 @@ class WeightBuilder:
             return self._tiered(Int8Linear(weight, bias, self.dtype).to(self.device), lambda: weight, bias)
         return DenseLinear(weight.to(device=self.device, dtype=self.dtype), bias)
 
-    def head(self, table: Callable[[], torch.Tensor]) -> torch.nn.Module:
-        """The output head over `table()` [vocab, hidden] (often the embeddings themselves). Lazy: each tier built on
-        first use (the native step reads the int8 one where the file's head is not in blocks it reads)."""
-        loaded = None if self.lazy else table()  # built now: one load for both tiers
+    def head(self, name: str, table: Callable[[], torch.Tensor] | None = None) -> torch.nn.Module:
+        """The output head over the table `name` [vocab, hidden] (often the embeddings themselves); `table()`: the
+        whole table where it may be built already (a TokenEmbedding's). Lazy: each tier built on first use (the
+        native step reads the int8 one where the file's head is not in blocks it reads), the int8 one from the
+        file a slice of rows at a time, never the whole table at once."""
+        self._require([name])
+        whole = table or (lambda: self.tensor(name))
+        loaded = None if self.lazy else whole()  # built now: one load for both tiers
 
         def weight() -> torch.Tensor:
-            return table() if loaded is None else loaded
+            return whole() if loaded is None else loaded
 
         if self.head_int8_below is None:
             return self._built(lambda: DenseLinear(weight(), None))
-        small = self._built(lambda: Int8Linear(weight(), None, self.dtype).to(self.device))
+        rows = self.table_rows(name) if loaded is None else loaded
+        small = self._built(lambda: Int8Linear(rows, None, self.dtype).to(self.device))
         dense = self._built(lambda: dense_linear(weight().to(self.dtype), None))
         return TieredLinear(small, dense, self.head_int8_below)
+
+    def table_rows(self, name: str) -> TableRows:
+        """The tensor `name` read by rows, each row as tensor(name) would hold it."""
+        source = self.weights[name]
+        return TableRows(source.shape, lambda start, stop: source.rows(start, stop).to(self.device, self.dtype))
 
     def _int4(self, sources: list[TensorSource], bias: torch.Tensor | None) -> torch.nn.Module:
         """A file's own 4-bit blocks as they are, any other matrix quantized to int4; the dense copy (long prompts)

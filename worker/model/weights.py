@@ -46,9 +46,29 @@ class TensorSource:
     qtype: str | None = None  # the file's type name (GGUF: "Q5_0", "F32", ...), None where the format has none
     # The file's bytes [rows, bytes a row] where its rows are the tensor's as they are (GGUF: not reordered or shifted).
     file_rows: Callable[[], np.ndarray | None] = lambda: None
+    # load()[start:stop] without loading the rest, where the format can (GGUF); None: rows() slices load().
+    load_rows: Callable[[int, int], torch.Tensor] | None = None
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """float32 rows [start, stop) of load()'s tensor, the same values."""
+        return self.load()[start:stop] if self.load_rows is None else self.load_rows(start, stop)
 
 
 WeightMap = dict[str, TensorSource]
+
+
+@dataclass(frozen=True)
+class TableRows:
+    """A [rows, columns] table read a slice of rows at a time, each slice the values the whole table would hold.
+
+    Why: Int8Linear quantizes an output head a slice at a time, and a whole head is large beside its slices (Gemma
+    3's 262,144 x 640: 671 MB in float32 and 335 MB in bfloat16, where 8,192 rows are 21 MB and 10 MB)."""
+
+    shape: tuple[int, int]
+    read: Callable[[int, int], torch.Tensor]  # rows [start, stop)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self.read(rows.start, min(rows.stop, self.shape[0]))
 
 
 @dataclass

@@ -38,23 +38,26 @@ from worker.batch import PagedKV, StepBatch
 from worker.model.checkpoint import Checkpoint
 from worker.model.decoder import Block, DecoderModel, GatedMLP
 from worker.model.families.base import tied_head
+from worker.model.gguf_blocks import gguf_blocks
 from worker.model.lazy_linear import LazyLinear
 from worker.model.llama import DecoderLayer, LlamaModel
 from worker.model.moe import SparseMoE
 from worker.model.native_pack import (
     BLOCK_N,
     NATIVE_TYPES,
+    PackedMatrix,
     QuantMatrix,
     kernel_format,
     kernel_refusal,
     matrix,
     native_blocks,
+    pack_by_rows,
     pack_parts,
 )
 from worker.model.norm import RMSNorm
 from worker.model.paged_attention import paged_attention
 from worker.model.quant_linear import DenseLinear, Int8Linear, TieredLinear
-from worker.model.weights import INT4_GROUP, QuantBlocks
+from worker.model.weights import INT4_GROUP, QuantBlocks, TensorSource
 from worker.native import build
 from worker.runtime.freed_memory import return_freed_memory
 from worker.runtime.long_prompts import merge_logits, split_long_prompts
@@ -111,8 +114,11 @@ class StepStruct(ctypes.Structure):
 
 
 def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output head as (int8 weights [N/16, K/2, 16, 2], per-row scales [N] float32), its rows padded to BLOCK_N."""
+    """The output head as (int8 weights [N/16, K/2, 16, 2], per-row scales [N] float32), its rows padded to BLOCK_N.
+    A lazy int8 tier built here only to be packed is let go at once (Gemma 3's: 160 MiB), before the load's next
+    large copy."""
     small = head.small if isinstance(head, TieredLinear) else head
+    lazy = small if isinstance(small, LazyLinear) and small.built is None else None
     if isinstance(small, LazyLinear):
         small = small.materialize()
     if isinstance(small, DenseLinear):
@@ -120,24 +126,37 @@ def head_int8(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(small, Int8Linear):
         raise TypeError(f"no native form for a head of type {type(small).__name__}")
     pad = -small.qweight.shape[0] % BLOCK_N
-    q = torch.nn.functional.pad(small.qweight, (0, 0, 0, pad))
+    q = torch.nn.functional.pad(small.qweight, (0, 0, 0, pad)) if pad else small.qweight
     rows, k = q.shape
     packed = q.view(rows // BLOCK_N, BLOCK_N, k // 2, 2).transpose(1, 2).contiguous()
-    return packed, torch.nn.functional.pad(small.scale.float(), (0, pad)).contiguous()
+    scale = torch.nn.functional.pad(small.scale.float(), (0, pad)).contiguous()
+    if lazy is not None:
+        lazy.release()
+    return packed, scale
 
 
-def head_file_blocks(checkpoint: Checkpoint, config) -> QuantBlocks | None:
-    """The output head's own blocks where its file keeps it in fewer bits than int8 (Q4_*, Q5_*, Q6_K: the
-    native kernels read them as they are, fewer bytes a token than int8 per row and no second rounding);
-    None for an int8-class or float head (Q8_0, F16: int8 per row, as always) or rows not in blocks of 16."""
+def head_in_blocks(checkpoint: Checkpoint, config) -> TensorSource | None:
+    """The output head's tensor where its file keeps it in fewer bits than int8 (Q4_*, Q5_*, Q6_K: the native
+    kernels read them as they are, fewer bytes a token than int8 per row and no second rounding); None for an
+    int8-class or float head (Q8_0, F16: int8 per row, as always) or rows not in blocks of 16."""
     tied = tied_head(config, checkpoint.weights)
     source = checkpoint.weights.get("model.embed_tokens.weight" if tied else "lm_head.weight")
-    if source is None or source.qtype not in NATIVE_TYPES:
+    if source is None or source.qtype not in NATIVE_TYPES or source.qtype == "Q8_0":
+        return None  # Q8_0: no fewer bits than int8
+    if source.file_rows() is None or source.shape[0] % BLOCK_N or source.shape[1:] != (config.hidden_size,):
         return None
-    blocks = source.blocks()
-    if blocks is None or blocks.bits >= 8 or blocks.q.shape[0] % BLOCK_N or blocks.q.shape[1] != config.hidden_size:
-        return None
-    return None if blocks.super is not None and config.hidden_size % 256 else blocks  # the kernel's K-quant rule
+    return None if source.qtype.endswith("_K") and config.hidden_size % 256 else source  # the kernel's K-quant rule
+
+
+def head_packed(source: TensorSource) -> tuple[PackedMatrix, str]:
+    """The head's file blocks packed a slice of rows at a time (never its whole int16 decoding: Qwen3's 151,936 x
+    1,024 Q6_K head's is 311 MB), and their format for the log."""
+    raw, qtype, (rows, columns) = source.file_rows(), QType[source.qtype], source.shape
+
+    def blocks_of(start: int, stop: int) -> QuantBlocks:
+        return gguf_blocks(raw[start:stop], qtype, stop - start, columns)
+
+    return pack_by_rows(blocks_of, rows), kernel_format(blocks_of(0, BLOCK_N))
 
 
 @dataclass(frozen=True)
@@ -153,9 +172,10 @@ class EmbeddingForm:
     ggml_type: int = 0
 
 
-def embedding_form(checkpoint: Checkpoint, config, head_blocks: QuantBlocks | None) -> EmbeddingForm:
-    if head_blocks is not None and tied_head(config, checkpoint.weights):
-        return EmbeddingForm(f"the head's {head_blocks.qtype} blocks", from_head=True)
+def embedding_form(checkpoint: Checkpoint, config, head: TensorSource | None) -> EmbeddingForm:
+    """head: the output head's tensor where the step reads it in its file's blocks (`head_in_blocks`)."""
+    if head is not None and tied_head(config, checkpoint.weights):
+        return EmbeddingForm(f"the head's {head.qtype} blocks", from_head=True)
     source = checkpoint.weights.get("model.embed_tokens.weight")
     if source is None or source.qtype not in NATIVE_TYPES or source.shape != (config.vocab_size, config.hidden_size):
         return EmbeddingForm("bfloat16")
@@ -387,16 +407,17 @@ class NativeSteps:
         if amx_from_rows and any(layer.moe is not None for layer in form.layers):
             log.info("AMX tiles off: a mixture of experts runs on VNNI; every step on VNNI")
             amx_from_rows = 0
-        head_blocks = head_file_blocks(checkpoint, config)
-        self.head_format = "int8 per row" if head_blocks is None else kernel_format(head_blocks)
-        if head_blocks is None:
+        head_source = head_in_blocks(checkpoint, config)
+        if head_source is None:
             head_q, head_scale = head_int8(model.lm_head)
-            self.head_rows, head_matrix = head_q.shape[0] * BLOCK_N, None
+            self.head_format, self.head_rows, head_matrix = "int8 per row", head_q.shape[0] * BLOCK_N, None
         else:
             head_q = head_scale = None
-            self.head_rows, head_matrix = head_blocks.q.shape[0], matrix(pack_parts([head_blocks]), self._keep)
-        embedding = embedding_form(checkpoint, config, head_blocks)
+            packed, self.head_format = head_packed(head_source)
+            self.head_rows, head_matrix = packed.n, matrix([packed], self._keep)
+        embedding = embedding_form(checkpoint, config, head_source)
         self.embedding_format = embedding.label
+        checkpoint.release_file_pages()  # the head's and embedding's, copied
         table = not embedding.from_head and embedding.rows is None
         inv_freq = torch.stack([rotary.inv_freq.float() for rotary in form.rotaries]).contiguous()
         rope_factor = torch.tensor([float(rotary.attention_factor) for rotary in form.rotaries], dtype=torch.float32)

@@ -63,3 +63,20 @@ def test_the_loader_dequantizes_the_native_types_natively_and_every_type_to_gguf
         monkeypatch.setattr(gguf_metadata, "dequantize", lambda *_: pytest.fail("gguf's dequantizer was called"))
     values = gguf_metadata.dequantized(raw, qtype, (24, 512)).numpy()
     assert np.array_equal(values.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [*FORMATS, QType.Q2_K, QType.F16], ids=lambda qtype: qtype.name)
+@pytest.mark.parametrize("shift", [0.0, 1.0], ids=["as stored", "shifted"])
+def test_a_slice_of_a_tensor_s_rows_is_those_rows_of_the_whole_tensor(qtype: QType, shift: float) -> None:
+    """TensorSource.rows: what an output head's int8 tier is quantized from a slice at a time, never the whole
+    table; a tensor whose rows the loader reorders (llama's q/k) slices the whole one."""
+    import torch
+
+    from worker.model.gguf_loader import _source
+
+    raw = raw_tensor(qtype, 24, 512, seed=6)
+    for order in (None, torch.randperm(24, generator=torch.Generator().manual_seed(0))):
+        source = _source(raw, qtype, (24, 512), order, shift)
+        whole = source.load()
+        for start, stop in ((0, 8), (8, 24), (20, 40)):
+            assert torch.equal(source.rows(start, stop), whole[start:stop])

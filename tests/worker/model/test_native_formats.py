@@ -21,7 +21,16 @@ from gguf.quants import dequantize
 
 from tests.support.gguf_blocks import raw_tensor
 from worker.model.gguf_blocks import FORMATS, gguf_blocks
-from worker.model.native_pack import PackedMatrix, _by_block, kernel_format, matrix, pack_parts
+from worker.model.native_pack import (
+    PACKED_FIELDS,
+    PackedMatrix,
+    _by_block,
+    kernel_format,
+    matrix,
+    pack,
+    pack_by_rows,
+    pack_parts,
+)
 from worker.model.weights import QuantBlocks
 from worker.native import build
 
@@ -154,3 +163,41 @@ def test_q4_0_and_q5_0_keep_no_mins_and_give_the_same_outputs_as_stored_ones(qty
     stored = dataclasses.replace(packed, mins=_by_block(blocks.min.half()), m_factor=0)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-1, 1, k)
     assert torch.equal(native_linear_packed([packed], x), native_linear_packed([stored], x))
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
+def test_a_matrix_packed_a_slice_of_rows_at_a_time_is_the_one_packed_whole(
+    qtype: QType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The output head is packed from its file's blocks by slices of rows (never decoded whole): the same tensors."""
+    from worker.model import native_pack
+
+    monkeypatch.setattr(native_pack, "PACK_ROWS", 32)
+    rows, columns = 80, 512  # slices of 32, 32 and 16 rows
+    raw = raw_tensor(qtype, rows, columns, seed=3)
+    reads = []
+
+    def blocks_of(start: int, stop: int) -> QuantBlocks:
+        reads.append((start, stop))
+        return gguf_blocks(raw[start:stop], qtype, stop - start, columns)
+
+    by_rows, whole = pack_by_rows(blocks_of, rows), pack(gguf_blocks(raw, qtype, rows, columns))
+    assert reads == [(0, 32), (32, 64), (64, 80)]
+    assert (by_rows.n, by_rows.k, by_rows.bits, by_rows.group, by_rows.m_factor, by_rows.qtypes) == (
+        whole.n,
+        whole.k,
+        whole.bits,
+        whole.group,
+        whole.m_factor,
+        whole.qtypes,
+    )
+    for name in PACKED_FIELDS:
+        mine, theirs = getattr(by_rows, name), getattr(whole, name)
+        assert (mine is None and theirs is None) or (mine.dtype == theirs.dtype and torch.equal(mine, theirs))
+
+
+def test_slices_of_rows_that_pack_to_different_formats_are_refused() -> None:
+    exact = gguf_blocks(raw_tensor(QType.Q4_1, 16, 64), QType.Q4_1, 16, 64)
+    inexact = dataclasses.replace(exact, scale=exact.scale * (1 + 2**-20))  # not fp16: float32 scales
+    with pytest.raises(ValueError, match="another format"):
+        pack_by_rows(lambda start, stop: exact if start == 0 else inexact, 4096)

@@ -52,3 +52,24 @@ def test_a_step_with_no_logit_rows_gets_an_empty_answer(weight: torch.Tensor, ki
         else Int4Linear(quantize_int4(weight), None, torch.float32)
     )
     assert layer(torch.zeros(0, weight.shape[1])).shape == (0, weight.shape[0])
+
+
+def test_int8_weights_quantized_from_a_table_read_by_rows_are_the_ones_from_the_whole_table(
+    weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An output head's int8 tier is built from its file a slice of rows at a time (worker/model/weights.py's
+    TableRows), each slice rounded to the dtype as the whole table would be: the same weights and scales."""
+    from worker.model import quant_linear
+    from worker.model.weights import TableRows
+
+    monkeypatch.setattr(quant_linear, "QUANTIZE_ROWS", 20)  # 48 rows: slices of 20, 20 and 8
+    reads: list[tuple[int, int]] = []
+
+    def read(start: int, stop: int) -> torch.Tensor:
+        reads.append((start, stop))
+        return weight[start:stop].to(torch.bfloat16)
+
+    by_rows = Int8Linear(TableRows((48, 96), read), None, torch.bfloat16)
+    whole = Int8Linear(weight.to(torch.bfloat16), None, torch.bfloat16)
+    assert reads == [(0, 20), (20, 40), (40, 48)]
+    assert torch.equal(by_rows.qweight, whole.qweight) and torch.equal(by_rows.scale, whole.scale)

@@ -79,8 +79,11 @@ def test_the_tiered_head_builds_where_onednn_has_no_bfloat16_path(monkeypatch: p
 
     monkeypatch.setattr(quant_linear, "onednn_packs_bfloat16", lambda: False)
     weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
-    builder = WeightBuilder({}, torch.bfloat16, "int4", torch.device("cpu"), head_int8_below=4)
-    head = builder.head(lambda: weight)
+    from worker.model.weights import TensorSource
+
+    source = TensorSource(shape=(64, 32), load=lambda: weight)
+    builder = WeightBuilder({"head": source}, torch.bfloat16, "int4", torch.device("cpu"), head_int8_below=4)
+    head = builder.head("head")
     x = torch.randn(8, 32).to(torch.bfloat16)
     assert torch.equal(head(x), F.linear(x, weight.to(torch.bfloat16)))
     assert not dense_copies_fit(torch.bfloat16, 1)

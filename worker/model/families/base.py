@@ -153,5 +153,5 @@ def tied_head(config: ModelConfig, weights: WeightMap) -> bool:
 
 def lm_head(weights: WeightBuilder, config: ModelConfig, embed: TokenEmbedding) -> torch.nn.Module:
     if tied_head(config, weights.weights):
-        return weights.head(embed.table)
-    return weights.head(lambda: weights.tensor("lm_head.weight"))
+        return weights.head("model.embed_tokens.weight", embed.table)
+    return weights.head("lm_head.weight")
