@@ -522,6 +522,8 @@ class NativeSteps:
         """A sparse layer's router (float32, as the file holds it) and its experts' matrices, into `weights`."""
         router, experts = expert_names(checkpoint, index, len(moe.experts))
         gate_up = (QuantMatrix * len(experts))(*(self._matrix(checkpoint, [gate, up]) for gate, up, _ in experts))
+        return_freed_memory()  # a layer's experts are most of a large MoE's layer: their temporaries, then its pages
+        checkpoint.release_file_pages()
         down = (QuantMatrix * len(experts))(*(self._matrix(checkpoint, [down]) for _, _, down in experts))
         self._keep += [gate_up, down]
         weights.experts, weights.top_k, weights.normalize_top_k = len(experts), moe.top_k, int(moe.normalize_top_k)
