@@ -210,6 +210,44 @@ def test_a_prompts_rows_in_tiles_give_what_decoding_them_one_by_one_gives(name: 
     assert native.served["torch"] == 0
 
 
+@pytest.mark.skipif("avx512_bf16" not in build.cpu_flags(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize(("name", "head_dim"), [("gemma3", 64), ("qwen3", 128), ("gemma3", 256)])
+def test_a_prompts_rows_no_one_samples_attend_in_bfloat16_products_at_every_head_dim(
+    name: str, head_dim: int, tmp_path: pathlib.Path
+) -> None:
+    """A chunk that samples nothing runs on int8 x, and where the CPU has AVX512-BF16 its tiles attend in
+    bfloat16 products (worker/native/prompt_attention_bf16.h) for head dims 64, 128 and 256, over tiles cut at
+    any row, key blocks cut at any key and Gemma 3's local windows: the K/V it leaves within 2% of the float32
+    tiles' (Model::bf16_attention off). A tiny random model attends nearly uniformly, so this bounds what the
+    shapes can break (attention left out moves them 120%); the real model's test in test_native_steps.py
+    bounds the pairing of keys, values and dimensions."""
+    directory = make_family_model(_spec(name, head_dim=head_dim), tmp_path)
+    loaded = load_model(str(directory), dtype="bfloat16", quant="int4", device="cpu")
+    native = select_backend(loaded, max_threads=torch.get_num_threads())
+    assert isinstance(native, CpuNativeBackend) and native.native.struct.bf16_attention == 1
+    prompt = [random.Random(3).randrange(native.config.vocab_size) for _ in range(45)]
+    pages = list(range(12))
+
+    def prefill(bf16: int, cuts: list[int]) -> PagedKV:
+        native.native.struct.bf16_attention = bf16
+        kv = _kv(native)
+        for start, end in itertools.pairwise([0, *cuts, len(prompt)]):
+            native.forward(make_batch([Chunk(prompt[start:end], start, pages, samples=False)], PAGE), kv)
+        return kv
+
+    try:
+        float32 = prefill(0, [])
+        for cuts in ([], [7, 20, 31]):  # tiles of 16 rows: 16, 16, 13; chunks of 7 to 14 rows
+            products = prefill(1, cuts)
+            assert not torch.equal(products.v, prefill(0, cuts).v), "the tiles ran in bfloat16 products"
+            for layer in range(loaded.config.num_layers):
+                for got, want in ((products.k[layer], float32.k[layer]), (products.v[layer], float32.v[layer])):
+                    error = (got.float() - want.float()).norm() / want.float().norm()
+                    assert error < 0.02, (name, cuts, layer, float(error))
+    finally:
+        native.native.struct.bf16_attention = 1
+
+
 def test_experts_of_a_width_the_kernel_cannot_take_stay_on_torch(tmp_path: pathlib.Path) -> None:
     loaded = load_model(
         str(make_family_model(_spec("qwen3-moe", moe_intermediate_size=32), tmp_path)),

@@ -285,6 +285,38 @@ def test_a_chunk_that_samples_nothing_runs_on_int8_x(int4_model: CpuNativeBacken
     assert last_layer < 0.1, last_layer
 
 
+@pytest.mark.skipif("avx512_bf16" not in build.cpu_flags(), reason="no AVX512-BF16 on this CPU")
+def test_a_chunk_that_samples_nothing_attends_in_bfloat16_products_close_to_float32(
+    int4_model: CpuNativeBackend,
+) -> None:
+    """Its tiles attend in bfloat16 products (worker/native/prompt_attention_bf16.h): every layer's K/V within 8%
+    of the float32 tiles' (Model::bf16_attention off, as on a CPU without AVX512-BF16; 0.8-3.4% measured). Real
+    text, so that heads attend to a few keys: a key paired with the wrong value or a score with the wrong key's
+    dimensions moved them 20-150% (a tiny random model's near-uniform attention hides both)."""
+    if _tiles_here(int4_model):
+        pytest.skip("a chunk of this size runs on AMX tiles on this CPU")
+    native = int4_model.native
+    text = (
+        "The old lighthouse keeper climbed the stairs every evening, counting each step as his father had taught him. "
+    )
+    prompt = int4_model.loaded.checkpoint.tokenizer.encode(text * 3).ids[:90]
+    pages = list(range(-(-len(prompt) // PAGE)))
+    chunk = make_batch([Chunk(prompt, 0, pages, samples=False)], PAGE)
+    products, float32 = (allocate_kv(int4_model.config, len(pages), PAGE, torch.bfloat16) for _ in "ab")
+    assert native.struct.bf16_attention == 1
+    native.forward(chunk, products)
+    native.struct.bf16_attention = 0
+    try:
+        native.forward(chunk, float32)
+    finally:
+        native.struct.bf16_attention = 1
+    assert not torch.equal(products.v, float32.v)
+    for layer in range(int4_model.config.num_layers):
+        for got, want in ((products.k[layer], float32.k[layer]), (products.v[layer], float32.v[layer])):
+            error = (got.float() - want.float()).norm() / want.float().norm()
+            assert error < 0.08, (layer, float(error))
+
+
 def test_a_long_prompts_last_chunk_runs_all_but_its_sampled_row_on_int8_x(int4_model: CpuNativeBackend) -> None:
     """The step runs as two: every row but the last (int8 x, sampling nothing), then the last alone (int16 x),
     attending to what the first wrote: the same logits and K/V as those two steps by hand, close to all-int16's."""

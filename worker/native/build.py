@@ -27,6 +27,7 @@ HEADERS = (
     SOURCE.with_name("amx_linear.h"),
     SOURCE.with_name("int8_linear.h"),
     SOURCE.with_name("prompt_attention.h"),
+    SOURCE.with_name("prompt_attention_bf16.h"),
     SOURCE.with_name("expert_mlp.h"),
     SOURCE.with_name("gguf_rows.h"),
 )  # included by SOURCE: part of the cache key

@@ -101,6 +101,7 @@ struct Model {
   int64_t embed_type;           // their GGML type
   int64_t embed_row_bytes;
   int64_t embed_from_head;      // 1: the embedding is the tied head's own blocks (head_blocks), read a row at a time
+  int64_t bf16_attention;       // 1: a prompt's tiles of rows in steps on int8 x attend in bfloat16 products (prompt_attention_bf16.h)
 };
 
 struct Step {
@@ -664,14 +665,16 @@ void layer_step(const Model& m, const Step& s, int64_t index, Buffers& b, std::v
     each_claimed(rows * kvh, 1, task_macs, [&](int64_t task) {
       const int64_t r = task / kvh, h = task % kvh;
       place_heads(m, s, index, b, r, h);
-      attend_rows(m, s, index, b.qkv.data(), b.attention.data(), r, 1, h, scores, tile_scratch);
+      attend_rows(m, s, index, b.qkv.data(), b.attention.data(), r, 1, h, scores, tile_scratch, false);
     });
   } else {
     const int64_t tasks = (static_cast<int64_t>(b.tiles.size()) - 1) * kvh;
+    const bool bf16_tiles = b.int8 && m.bf16_attention;  // rows no one samples from
     each_claimed(tasks, rows, kChunkMacs, [&](int64_t claimed) {  // a tile of rows over all its keys: one a chunk
       const int64_t task = tasks - 1 - claimed;
       const int64_t* tile = b.tiles.data() + task / kvh;
-      attend_rows(m, s, index, b.qkv.data(), b.attention.data(), tile[0], tile[1] - tile[0], task % kvh, scores, tile_scratch);
+      attend_rows(m, s, index, b.qkv.data(), b.attention.data(), tile[0], tile[1] - tile[0], task % kvh, scores, tile_scratch,
+                  bf16_tiles);
     });
   }
 #pragma omp barrier

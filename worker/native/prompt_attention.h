@@ -151,6 +151,8 @@ inline void value_block(const float* vf, int64_t hd, const float* p, int64_t p_s
 struct TileScratch {
   std::vector<float> scores, acc, inv_sum;
   std::vector<const float*> queries;  // each query's q (its row's, at its head)
+  std::vector<uint32_t> query_pairs, prob_pairs;  // prompt_attention_bf16.h's: q and p rounded, in pairs
+  std::vector<const uint32_t*> pair_rows;         // each query's pairs
 };
 
 // count queries in groups of 4 (and one of the rest): f(integral_constant<int, N>, first) for each group.
@@ -226,12 +228,23 @@ void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv,
     }
 }
 
-// A tile of rows x KV head h: attend_tile where the tile has rows to share its keys, else attend() (a decode's row).
+#include "prompt_attention_bf16.h"
+
+// A tile of rows x KV head h: attend_tile where the tile has rows to share its keys, else attend() (a decode's row);
+// bf16: the tile's rows are no one's sampled row, on a CPU with AVX512-BF16 (prompt_attention_bf16.h).
 void attend_rows(const Model& m, const Step& s, int64_t layer, const float* qkv, float* out, int64_t r0, int64_t n, int64_t h,
-                 std::vector<float>& scores, TileScratch& x) {
+                 std::vector<float>& scores, TileScratch& x, bool bf16) {
   const int64_t hd = m.head_dim, group = m.heads / m.kv_heads, q_size = m.heads * hd, qkv_n = q_size + 2 * m.kv_heads * hd;
   if (n == 1) {
     attend(m, s, layer, qkv + r0 * qkv_n + h * group * hd, out + r0 * q_size + h * group * hd, r0, h, scores);
+    return;
+  }
+  if (bf16) {
+    switch (hd) {
+      case 64: attend_tile_bf16<4>(m, s, layer, qkv, qkv_n, out, q_size, r0, n, h, x); break;
+      case 128: attend_tile_bf16<8>(m, s, layer, qkv, qkv_n, out, q_size, r0, n, h, x); break;
+      default: attend_tile_bf16<16>(m, s, layer, qkv, qkv_n, out, q_size, r0, n, h, x); break;
+    }
     return;
   }
   switch (hd) {

@@ -100,7 +100,7 @@ class ModelStruct(ctypes.Structure):
         ("embed", ctypes.c_void_p), ("layer", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
         ("head_scale", ctypes.c_void_p), ("amx_from_rows", ctypes.c_int64), ("head_blocks", ctypes.c_void_p),
         ("int8_from_rows", ctypes.c_int64), ("embed_blocks", ctypes.c_void_p), ("embed_type", ctypes.c_int64),
-        ("embed_row_bytes", ctypes.c_int64), ("embed_from_head", ctypes.c_int64),
+        ("embed_row_bytes", ctypes.c_int64), ("embed_from_head", ctypes.c_int64), ("bf16_attention", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -430,6 +430,7 @@ class NativeSteps:
             embed_scale=1.0 if form.embed_scale is None else _in_dtype(form.embed_scale, model.embed_tokens.dtype),
             embed=self._pointer(model.embed_tokens.weight) if table else None, embed_type=embedding.ggml_type,
             embed_blocks=self._optional_pointer(embedding.rows), embed_from_head=int(embedding.from_head),
+            bf16_attention=int("avx512_bf16" in build.cpu_flags()),
             embed_row_bytes=0 if embedding.rows is None else embedding.rows.shape[1],
             attention_scale=config.head_dim**-0.5 if first.scale is None else first.scale,
             attention_softcap=first.softcap or 0.0, activation=ACTIVATIONS[first.activation],
