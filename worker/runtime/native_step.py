@@ -469,6 +469,8 @@ class NativeSteps:
         if steps.struct.int8_from_rows:
             below = " (below the tiles)" if steps.struct.amx_from_rows else ""
             tiles += f", steps of {steps.struct.int8_from_rows} rows or more{below} int8 x on vpdpbusd but a prompt's sampled row"
+            if steps.struct.bf16_attention:
+                tiles += ", their prompt rows attending in bfloat16 products"
         kinds = collections.Counter(f.split(" as ")[0] for f in steps.formats.values())
         weights = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
         log.info(
