@@ -168,18 +168,62 @@ inline void in_fours(int64_t count, F&& f) {
   }
 }
 
+// Where a tile's keys are in one layer's pool for KV head h, and the span [first, first + count) its rows attend to:
+// from its first row's window start to its last row's own key.
+struct TileKeys {
+  const int64_t* pages;
+  const uint16_t *k_pool, *v_pool;
+  int64_t token_stride, window, first, count;
+
+  TileKeys(const Model& m, const Step& s, int64_t layer, int64_t r0, int64_t n, int64_t h)
+      : pages(s.page_tables + r0 * s.page_table_stride),
+        k_pool(s.k_pool + layer * s.layer_stride + h * m.head_dim),
+        v_pool(s.v_pool + layer * s.layer_stride + h * m.head_dim),
+        token_stride(m.kv_heads * m.head_dim),
+        window(m.layer[layer].window),
+        first(first_of(s, r0)),
+        count(s.contexts[r0 + n - 1] - first) {}
+
+  // Row r's first key: its window's, or the sequence's.
+  int64_t first_of(const Step& s, int64_t r) const { return window > 0 ? std::max<int64_t>(0, s.contexts[r] - window) : int64_t{0}; }
+};
+
+// Each query's softmax over its own row's keys, its scores at x.scores + q * stride from the tile's first key:
+// x.inv_sum[q] set, and p = 0 outside the row's keys, up to `padded`.
+inline void tile_softmax(const Step& s, const TileKeys& keys, int64_t r0, int64_t n, int64_t group, int64_t padded,
+                         int64_t stride, TileScratch& x) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t own_first = keys.first_of(s, r0 + i) - keys.first, own_count = s.contexts[r0 + i] - keys.first - own_first;
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = x.scores.data() + (i * group + g) * stride;
+      x.inv_sum[i * group + g] = exp_row(row + own_first, own_count);
+      std::fill(row, row + own_first, 0.f);
+      std::fill(row + own_first + own_count, row + padded, 0.f);
+    }
+  }
+}
+
+// Each query's sums of p * v (x.acc) times its 1 / sum of p, into its row's head of `out`.
+template <int C>
+inline void tile_output(const TileScratch& x, float* out, int64_t out_n, int64_t r0, int64_t n, int64_t h, int64_t group) {
+  constexpr int64_t hd = C * 16;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const float* sum = x.acc.data() + (i * group + g) * hd;
+      float* o = out + (r0 + i) * out_n + (h * group + g) * hd;
+      const __m512 inv = _mm512_set1_ps(x.inv_sum[i * group + g]);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(sum + c * 16), inv));
+    }
+}
+
 // Rows [r0, r0 + n) (one tile) x the query heads of KV head h, against their keys in one layer's pool.
 template <int C>
 void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv, int64_t qkv_n, float* out, int64_t out_n,
                  int64_t r0, int64_t n, int64_t h, TileScratch& x) {
   constexpr int64_t hd = C * 16;
-  const int64_t group = m.heads / m.kv_heads, queries = n * group, window = m.layer[layer].window;
-  const int64_t token_stride = m.kv_heads * hd;
-  const int64_t* pages = s.page_tables + r0 * s.page_table_stride;
-  const uint16_t* k_pool = s.k_pool + layer * s.layer_stride + h * hd;
-  const uint16_t* v_pool = s.v_pool + layer * s.layer_stride + h * hd;
-  auto first_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, s.contexts[r] - window) : int64_t{0}; };
-  const int64_t first = first_of(r0), count = s.contexts[r0 + n - 1] - first;
+  const int64_t group = m.heads / m.kv_heads, queries = n * group;
+  const TileKeys keys(m, s, layer, r0, n, h);
+  const int64_t count = keys.count;
   const int64_t padded = (count + 15) / 16 * 16, stride = padded + 16;  // exp_row may write up to 15 floats past a row's keys
   x.scores.resize(queries * stride);
   x.acc.assign(queries * hd, 0.f);
@@ -191,41 +235,28 @@ void attend_tile(const Model& m, const Step& s, int64_t layer, const float* qkv,
     for (int64_t g = 0; g < group; ++g) x.queries[i * group + g] = qkv + (r0 + i) * qkv_n + (h * group + g) * hd;
 
   const Scoring scoring{m.attention_scale, m.attention_softcap};
-  KeyWalk keys_at(pages, s.page_size, token_stride, first), ahead(pages, s.page_size, token_stride, first + kKeysAhead);
+  KeyWalk keys_at(keys.pages, s.page_size, keys.token_stride, keys.first);
+  KeyWalk ahead(keys.pages, s.page_size, keys.token_stride, keys.first + kKeysAhead);
   for (int64_t t0 = 0; t0 < count; t0 += 16) {
-    transpose_keys<C>(k_pool, keys_at, ahead, count - kKeysAhead - t0, std::min<int64_t>(16, count - t0), kt);
+    transpose_keys<C>(keys.k_pool, keys_at, ahead, count - kKeysAhead - t0, std::min<int64_t>(16, count - t0), kt);
     in_fours(queries, [&](auto size, int64_t q0) {
       score_block<C, decltype(size)::value>(kt, x.queries.data() + q0, scoring, x.scores.data() + q0 * stride + t0, stride);
     });
   }
-  for (int64_t i = 0; i < n; ++i) {  // each row's softmax over its own keys; p = 0 outside them
-    const int64_t own_first = first_of(r0 + i) - first, own_count = s.contexts[r0 + i] - first - own_first;
-    for (int64_t g = 0; g < group; ++g) {
-      float* row = x.scores.data() + (i * group + g) * stride;
-      x.inv_sum[i * group + g] = exp_row(row + own_first, own_count);
-      std::fill(row, row + own_first, 0.f);
-      std::fill(row + own_first + own_count, row + padded, 0.f);
-    }
-  }
-  KeyWalk values_at(pages, s.page_size, token_stride, first);
+  tile_softmax(s, keys, r0, n, group, padded, stride, x);
+  KeyWalk values_at(keys.pages, s.page_size, keys.token_stride, keys.first);
   for (int64_t t0 = 0; t0 < count; t0 += kValueBlock) {
-    const int64_t keys = std::min(kValueBlock, count - t0);
-    for (int64_t t = 0; t < keys; ++t) {
-      const uint16_t* value = v_pool + values_at.next();
+    const int64_t block = std::min(kValueBlock, count - t0);
+    for (int64_t t = 0; t < block; ++t) {
+      const uint16_t* value = keys.v_pool + values_at.next();
       for (int c = 0; c < C; ++c) _mm512_store_ps(vf + t * hd + c * 16, load_bf16(value + c * 16));
     }
     for (int c0 = 0; c0 < C; c0 += 4)
       in_fours(queries, [&](auto size, int64_t q0) {
-        value_block<decltype(size)::value>(vf, hd, x.scores.data() + q0 * stride + t0, stride, keys, c0, x.acc.data() + q0 * hd);
+        value_block<decltype(size)::value>(vf, hd, x.scores.data() + q0 * stride + t0, stride, block, c0, x.acc.data() + q0 * hd);
       });
   }
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g) {
-      const float* sum = x.acc.data() + (i * group + g) * hd;
-      float* o = out + (r0 + i) * out_n + (h * group + g) * hd;
-      const __m512 inv = _mm512_set1_ps(x.inv_sum[i * group + g]);
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(sum + c * 16), inv));
-    }
+  tile_output<C>(x, out, out_n, r0, n, h, group);
 }
 
 #include "prompt_attention_bf16.h"

@@ -111,13 +111,9 @@ __attribute__((target("avx512bf16"))) void attend_tile_bf16(const Model& m, cons
                                                              int64_t qkv_n, float* out, int64_t out_n, int64_t r0, int64_t n,
                                                              int64_t h, TileScratch& x) {
   constexpr int64_t hd = C * 16;
-  const int64_t group = m.heads / m.kv_heads, queries = n * group, window = m.layer[layer].window;
-  const int64_t token_stride = m.kv_heads * hd;
-  const int64_t* pages = s.page_tables + r0 * s.page_table_stride;
-  const uint16_t* k_pool = s.k_pool + layer * s.layer_stride + h * hd;
-  const uint16_t* v_pool = s.v_pool + layer * s.layer_stride + h * hd;
-  auto first_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, s.contexts[r] - window) : int64_t{0}; };
-  const int64_t first = first_of(r0), count = s.contexts[r0 + n - 1] - first;
+  const int64_t group = m.heads / m.kv_heads, queries = n * group;
+  const TileKeys keys(m, s, layer, r0, n, h);
+  const int64_t count = keys.count;
   const int64_t padded = (count + 31) / 32 * 32, stride = padded + 16;  // pairs of keys in 32s; exp_row's spill
   x.scores.resize(queries * stride);
   x.acc.assign(queries * hd, 0.f);
@@ -135,39 +131,25 @@ __attribute__((target("avx512bf16"))) void attend_tile_bf16(const Model& m, cons
     }
 
   const Scoring scoring{m.attention_scale, m.attention_softcap};
-  KeyWalk keys_at(pages, s.page_size, token_stride, first), ahead(pages, s.page_size, token_stride, first + kKeysAhead);
+  KeyWalk keys_at(keys.pages, s.page_size, keys.token_stride, keys.first);
+  KeyWalk ahead(keys.pages, s.page_size, keys.token_stride, keys.first + kKeysAhead);
   for (int64_t t0 = 0; t0 < count; t0 += 16) {
-    transpose_key_pairs<C>(k_pool, keys_at, ahead, count - kKeysAhead - t0, std::min<int64_t>(16, count - t0), kp);
+    transpose_key_pairs<C>(keys.k_pool, keys_at, ahead, count - kKeysAhead - t0, std::min<int64_t>(16, count - t0), kp);
     in_fours(queries, [&](auto size, int64_t q0) {
       score_block_bf16<C, decltype(size)::value>(kp, x.pair_rows.data() + q0, scoring, x.scores.data() + q0 * stride + t0, stride);
     });
   }
-  for (int64_t i = 0; i < n; ++i) {  // each row's softmax over its own keys; p = 0 outside them
-    const int64_t own_first = first_of(r0 + i) - first, own_count = s.contexts[r0 + i] - first - own_first;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t q = i * group + g;
-      float* row = x.scores.data() + q * stride;
-      x.inv_sum[q] = exp_row(row + own_first, own_count);
-      std::fill(row, row + own_first, 0.f);
-      std::fill(row + own_first + own_count, row + padded, 0.f);
-      bf16_pairs(row, padded, x.prob_pairs.data() + q * padded / 2);
-    }
-  }
-  KeyWalk values_at(pages, s.page_size, token_stride, first);
+  tile_softmax(s, keys, r0, n, group, padded, stride, x);
+  for (int64_t q = 0; q < queries; ++q) bf16_pairs(x.scores.data() + q * stride, padded, x.prob_pairs.data() + q * padded / 2);
+  KeyWalk values_at(keys.pages, s.page_size, keys.token_stride, keys.first);
   for (int64_t t0 = 0; t0 < count; t0 += kValueBlock) {
-    const int64_t keys = std::min(kValueBlock, count - t0);
-    interleave_values<C>(v_pool, values_at, keys, vp);
+    const int64_t block = std::min(kValueBlock, count - t0);
+    interleave_values<C>(keys.v_pool, values_at, block, vp);
     for (int c0 = 0; c0 < C; c0 += 4)
       in_fours(queries, [&](auto size, int64_t q0) {
         value_block_bf16<C, decltype(size)::value>(vp, x.prob_pairs.data() + q0 * padded / 2 + t0 / 2, padded / 2,
-                                                   (keys + 1) / 2, c0, x.acc.data() + q0 * hd);
+                                                   (block + 1) / 2, c0, x.acc.data() + q0 * hd);
       });
   }
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g) {
-      const float* sum = x.acc.data() + (i * group + g) * hd;
-      float* o = out + (r0 + i) * out_n + (h * group + g) * hd;
-      const __m512 inv = _mm512_set1_ps(x.inv_sum[i * group + g]);
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(sum + c * 16), inv));
-    }
+  tile_output<C>(x, out, out_n, r0, n, h, group);
 }
