@@ -7,10 +7,13 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize
 
-# gguf.quants has no quantizer for the K-quants: their blocks are random bytes with these fp16 scales
-# (byte offset, largest value) set to modest values; their other scale bits (6-bit sc, int8 sc) random.
+# gguf.quants has no quantizer for the K-quants and the IQ4s: their blocks are random bytes with these fp16
+# scales (byte offset, largest value) set to modest values; their other scale bits (6-bit sc, int8 sc) random.
 K_QUANT_SCALES = {
     QType.Q2_K: ((80, 1e-3), (82, 1e-3)),  # no native kernel: for refusals
+    QType.Q3_K: ((108, 1e-3),),
+    QType.IQ4_NL: ((0, 4e-4),),
+    QType.IQ4_XS: ((0, 2e-5),),
     QType.Q4_K: ((0, 2e-3), (2, 2e-3)),
     QType.Q5_K: ((0, 1e-3), (2, 1e-3)),
     QType.Q6_K: ((208, 2e-4),),

@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType as QType
 
 from tests.support.gguf_blocks import raw_tensor
 from tests.support.paged_steps import Chunk, allocate_kv, make_batch
-from tests.support.tiny_families import FAMILY_BY_NAME, TinyFamily, make_family_model, write_family_gguf
+from tests.support.tiny_families import COMMON, FAMILY_BY_NAME, TinyFamily, make_family_model, write_family_gguf
 from worker.batch import PagedKV
 from worker.model.loader import LoadedModel, load_model
 from worker.native import build
@@ -273,8 +273,9 @@ def test_shapes_the_kernel_cannot_take_and_cpu_steps_torch_stay_on_torch(tmp_pat
 
 
 # Every GGUF type the native linears read, in an order that mixes them within a fused q/k/v and gate/up.
-NATIVE_TYPES = [QType.Q4_K, QType.Q5_0, QType.Q8_0, QType.Q6_K, QType.Q5_1, QType.Q5_K, QType.Q4_0, QType.Q4_1]
-K_QUANTS = {QType.Q4_K, QType.Q5_K, QType.Q6_K}  # blocks of 256 input values
+NATIVE_TYPES = [QType.Q4_K, QType.Q5_0, QType.Q8_0, QType.Q6_K, QType.Q5_1, QType.Q5_K, QType.Q4_0, QType.Q4_1,
+                QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS]  # fmt: skip
+K_QUANTS = {QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q3_K, QType.IQ4_XS}  # blocks of 256 input values
 LINEARS = ("attn_q.", "attn_k.", "attn_v.", "attn_qkv.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.", "_exps.")
 
 
@@ -299,10 +300,12 @@ def _mixed_blocks():
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if FAMILY_BY_NAME[n].gguf_arch is not None], ids=str)
 def test_every_family_runs_every_gguf_type_on_its_own_blocks(name: str, tmp_path: pathlib.Path) -> None:
-    """Both merges' invariants at once: each family's step takes the linears in any of the 8 native types
+    """Both merges' invariants at once: each family's step takes the linears in any of the 11 native types
     (mixed within fused matrices), keeps each in its file's type, serves every step natively, and lands
     far closer to the float32 dequantization of the same file than the torch int4 path, which re-quantizes."""
-    spec = _spec(name, hidden_size=256, intermediate_size=256)  # K-quants need inputs in multiples of 256
+    # Enough layers that each of the types lands on some linear, in Phi-3's fused layers and the experts' too.
+    layers = max(4, _spec(name).config.get("num_hidden_layers", COMMON["num_hidden_layers"]))
+    spec = _spec(name, hidden_size=256, intermediate_size=256, num_hidden_layers=layers)  # K-quants: inputs of 256s
     directory = make_family_model(spec, tmp_path / "hf")
     path = write_family_gguf(spec, directory, tmp_path / f"{name}.mixed.gguf", _mixed_blocks())
     loaded = load_model(str(path), dtype="bfloat16", quant="int4", device="cpu", cpu_steps="invariant")

@@ -244,11 +244,11 @@ def matrix(parts: list[PackedMatrix], keep: list) -> QuantMatrix:
 
 
 FLOAT_TYPES = {None, "F32", "F16", "BF16"}  # float weights: the native step quantizes them to int4 itself
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 
 
 class NoNativeKernel(ValueError):
-    """A tensor of a quantized type the native kernels do not read (Q2_K, IQ4_XS, ...): the model runs on torch."""
+    """A tensor of a quantized type the native kernels do not read (Q2_K, IQ3_S, ...): the model runs on torch."""
 
 
 def kernel_refusal(name: str, source: TensorSource) -> str | None:

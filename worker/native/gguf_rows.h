@@ -10,7 +10,7 @@
 namespace {
 
 // The GGML type ids of the formats read here (ggml.h's enum ggml_type).
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
 
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
@@ -96,6 +96,53 @@ void row_q6_k(const uint8_t* b, int64_t k, float* y) {
   }
 }
 
+// Q3_K (110 bytes): 32 bytes of third bits, 64 of bit pairs, 12 of 6-bit scales, d. Value v is bit pair
+// (v % 128) / 32 of byte 32 (v / 128) + v % 32, less 4 where bit v / 32 of mask byte v % 32 is clear; scale
+// j (one per 16 values, less 32) has its low nibble in byte j % 8 (the high nibble for j >= 8) and its top
+// two bits at 2 (j / 4) of byte 8 + j % 4.
+void row_q3_k(const uint8_t* b, int64_t k, float* y) {
+  for (int64_t i = 0; i < k / 256; ++i, b += 110, y += 256) {
+    const uint8_t *mask = b, *pairs = b + 32, *packed = b + 96;
+    const float d = f16_at(b + 108);
+    for (int v = 0; v < 256; ++v) {
+      const int j = v / 16;
+      const int sc = (((packed[j % 8] >> (4 * (j / 8))) & 0x0F) | (((packed[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+      const int q = ((pairs[32 * (v / 128) + v % 32] >> (2 * ((v % 128) / 32))) & 3) - (((mask[v % 32] >> (v / 32)) & 1) ? 0 : 4);
+      y[v] = d * static_cast<float>(sc) * static_cast<float>(q);
+    }
+  }
+}
+
+// IQ4_NL and IQ4_XS's values: a fixed int8 table at 4-bit indices, each 32 of them 16 bytes' low nibbles
+// and then their high ones (ggml's kvalues_iq4nl).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+inline void iq4_group(const uint8_t* qs, float a, float* y) {
+  for (int j = 0; j < 16; ++j) {
+    y[j] = a * static_cast<float>(kIq4Values[qs[j] & 0x0F]);
+    y[j + 16] = a * static_cast<float>(kIq4Values[qs[j] >> 4]);
+  }
+}
+
+// IQ4_NL (18 bytes): d, 16 bytes of indices for 32 values.
+void row_iq4_nl(const uint8_t* b, int64_t k, float* y) {
+  for (int64_t i = 0; i < k / 32; ++i, b += 18, y += 32) iq4_group(b + 2, f16_at(b), y);
+}
+
+// IQ4_XS (136 bytes): d, a uint16 of the 8 scales' top bit pairs, 4 bytes of their low nibbles, 128 of
+// indices; group g's scale (less 32) is nibble g % 2 of byte g / 2 with bits 2g, 2g + 1 of the uint16 above.
+void row_iq4_xs(const uint8_t* b, int64_t k, float* y) {
+  for (int64_t i = 0; i < k / 256; ++i, b += 136) {
+    const float d = f16_at(b);
+    uint16_t high;
+    std::memcpy(&high, b + 2, 2);
+    for (int g = 0; g < 8; ++g, y += 32) {
+      const int sc = (((b[4 + g / 2] >> (4 * (g % 2))) & 0x0F) | (((high >> (2 * g)) & 3) << 4)) - 32;
+      iq4_group(b + 8 + 16 * g, d * static_cast<float>(sc), y);
+    }
+  }
+}
+
 // Each type read here: its values and bytes a block, and its row reader.
 struct RowFormat {
   int64_t type, block_values, block_bytes;
@@ -104,7 +151,8 @@ struct RowFormat {
 constexpr RowFormat kRowFormats[] = {
     {kQ4_0, 32, 18, row_32<4, false>}, {kQ4_1, 32, 20, row_32<4, true>}, {kQ5_0, 32, 22, row_32<5, false>},
     {kQ5_1, 32, 24, row_32<5, true>},  {kQ8_0, 32, 34, row_q8_0},        {kQ4_K, 256, 144, row_k<4>},
-    {kQ5_K, 256, 176, row_k<5>},       {kQ6_K, 256, 210, row_q6_k},
+    {kQ5_K, 256, 176, row_k<5>},       {kQ6_K, 256, 210, row_q6_k},       {kQ3_K, 256, 110, row_q3_k},
+    {kIQ4_NL, 32, 18, row_iq4_nl},     {kIQ4_XS, 256, 136, row_iq4_xs},
 };
 
 inline const RowFormat* row_format(int64_t type) {

@@ -47,6 +47,9 @@ EXPECTED_FORMATS = {
     QType.Q4_K: "int4/k8/32",  # its own 8-bit sc per 32 and fp16 d per 256
     QType.Q5_K: "int5/k8/32",
     QType.Q6_K: "int6/k8/16",
+    QType.Q3_K: "int6/k8/16",  # q -4..3 and sc - 32 held as Q6_K's
+    QType.IQ4_NL: "int8/fp16/32",  # the table's int8 values held as Q8_0's
+    QType.IQ4_XS: "int8/k8/32",
 }
 
 
