@@ -39,7 +39,8 @@ from worker.native import build
 
 # Byte offsets of each type's fp16 fields (d, and m or dmin), set to a normal value in the random blocks.
 FP16_FIELDS = {QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q5_1: (0, 2), QType.Q8_0: (0,),
-               QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}  # fmt: skip
+               QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.Q3_K: (108,), QType.IQ4_NL: (0,),
+               QType.IQ4_XS: (0,)}  # fmt: skip
 
 
 def random_blocks(qtype: QType, n: int, k: int, seed: int = 0) -> QuantBlocks:

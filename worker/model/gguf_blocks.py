@@ -7,11 +7,10 @@ times a 6- or 8-bit integer scale), so nothing is lost beyond the file's own qua
   Q5_0  q 0..31, a = d, m = -16d           Q5_1  q 0..31, a = d, m
   Q8_0  q -128..127 (signed), a = d         Q4_K  q 0..15, a = d sc, m = -dmin mn (groups of 32)
   Q5_K  q 0..31, a = d sc, m = -dmin mn     Q6_K  q - 32 in -32..31 (signed, 6 bits), a = d sc, groups of 16
-Three more types are held in a wider kernel format than their file's, every value exact (their q fit it):
-  Q3_K    q -4..3, a = d (sc - 32), groups of 16: Q6_K's format (6.6 bits a weight against the file's 3.4)
-  IQ4_NL  q = a fixed table's int8 value at a 4-bit index, a = d: Q8_0's format (8.5 bits against 4.5)
-  IQ4_XS  the same q, a = d (sc - 32), groups of 32: Q8_0's with K-quant scales (8.25 against 4.25)
-A step of one row reads their wider bytes (it is bound by them); many rows are bound by the products, alike.
+Three more are table formats: q is a 4-bit index into 16 values (QuantBlocks.values, `TABLES`), no min:
+  Q3_K    index q + 4 of -4..3, a = d (sc - 32), groups of 16 (4.56 bits a weight in the kernel's layout
+          against the file's 3.44: the third bit plane becomes a nibble's)
+  IQ4_NL  index into ggml's 16 int8 values (-127..113), a = d          IQ4_XS  the same, a = d (sc - 32)
 The layouts follow ggml's (ggml-quants.c) and gguf.quants' dequantizers, which the tests compare with.
 """
 
@@ -109,21 +108,18 @@ def _q3_k(b: np.ndarray):
     # Value v: bit pair (v % 128) // 32 of qs byte 32 (v // 128) + v % 32, less 4 where bit v // 32 of hmask byte v % 32 is clear.
     pairs = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     clear = ((hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) ^ 1
-    q = pairs.reshape(n, 256).astype(np.int16) - 4 * clear.reshape(n, 256).astype(np.int16)
-    return q, d * sc.astype(np.float32), None, (sc, None, d, None)
+    index = pairs.reshape(n, 256) + 4 * (1 - clear.reshape(n, 256))  # q + 4: bit pair, and 4 where the bit is set
+    return index, d * sc.astype(np.float32), None, (sc, None, d, None)
 
 
-IQ4_VALUES = np.array(IQ4_NL.kvalues, dtype=np.int8)  # the int8 value of each 4-bit index
-
-
-def _iq4_values(qs: np.ndarray) -> np.ndarray:
+def _iq4_indices(qs: np.ndarray) -> np.ndarray:
     """[blocks, 16 k] index bytes -> [blocks, 32 k]: each 32 values are 16 bytes' low nibbles, then their high ones."""
     n = qs.shape[0]
-    return IQ4_VALUES[_low_then_high(qs.reshape(n, -1, 16)).reshape(n, -1)]
+    return _low_then_high(qs.reshape(n, -1, 16)).reshape(n, -1)
 
 
 def _iq4_nl(b: np.ndarray):
-    return _iq4_values(b[:, 2:18]), _f16(b[:, 0:2]), None
+    return _iq4_indices(b[:, 2:18]), _f16(b[:, 0:2]), None
 
 
 def _iq4_xs(b: np.ndarray):
@@ -132,7 +128,7 @@ def _iq4_xs(b: np.ndarray):
     low = (b[:, 4:8].reshape(n, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)) & 0x0F
     top = (high >> np.arange(0, 16, 2, dtype=np.uint16).reshape(1, 8)) & 3
     sc = (low.reshape(n, 8) | (top.astype(np.uint8) << 4)).astype(np.int8) - 32
-    return _iq4_values(b[:, 8:136]), d * sc.astype(np.float32), None, (sc, None, d, None)
+    return _iq4_indices(b[:, 8:136]), d * sc.astype(np.float32), None, (sc, None, d, None)
 
 
 # type: (bytes per block, values per block, group, bits, unpack)
@@ -145,10 +141,12 @@ FORMATS = {
     QType.Q4_K: (144, 256, 32, 4, _q4_k),
     QType.Q5_K: (176, 256, 32, 5, _q5_k),
     QType.Q6_K: (210, 256, 16, 6, _q6_k),
-    QType.Q3_K: (110, 256, 16, 6, _q3_k),
-    QType.IQ4_NL: (18, 32, 32, 8, _iq4_nl),
-    QType.IQ4_XS: (136, 256, 32, 8, _iq4_xs),
+    QType.Q3_K: (110, 256, 16, 4, _q3_k),
+    QType.IQ4_NL: (18, 32, 32, 4, _iq4_nl),
+    QType.IQ4_XS: (136, 256, 32, 4, _iq4_xs),
 }
+IQ4_VALUES = tuple(IQ4_NL.kvalues)  # ggml's kvalues_iq4nl
+TABLES = {QType.Q3_K: tuple(range(-4, 4)) + (0,) * 8, QType.IQ4_NL: IQ4_VALUES, QType.IQ4_XS: IQ4_VALUES}
 
 
 def gguf_blocks(raw: np.ndarray, qtype: QType, rows: int, columns: int) -> QuantBlocks | None:
@@ -167,6 +165,7 @@ def gguf_blocks(raw: np.ndarray, qtype: QType, rows: int, columns: int) -> Quant
         group=group,
         bits=bits,
         super=_super_scales(levels[0], rows, columns, group) if levels else None,
+        values=torch.tensor(TABLES[qtype], dtype=torch.int8) if qtype in TABLES else None,
     )
 
 

@@ -40,6 +40,7 @@ QuantMatrix._fields_ = [
     ("scale_bytes", ctypes.c_int32),
     ("group", ctypes.c_int32),
     ("m_factor", ctypes.c_int32),
+    ("values", ctypes.c_void_p),
     ("next", ctypes.POINTER(QuantMatrix)),
 ]
 
@@ -62,6 +63,7 @@ class PackedMatrix:
     super_scales: torch.Tensor | None = None  # K-quants: fp16 d [N/16, K/256, 16], scales then their 8-bit sc
     super_mins: torch.Tensor | None = None
     m_factor: int = 0  # Q4_0 -8, Q5_0 -16: no mins stored, m = m_factor * scale (mins None)
+    values: torch.Tensor | None = None  # a table format's 16 int8 values, which the 4-bit weights index
 
     @property
     def scale_bytes(self) -> int:
@@ -71,7 +73,7 @@ class PackedMatrix:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        parts = (self.weights, self.scales, self.mins, self.super_scales, self.super_mins)
+        parts = (self.weights, self.scales, self.mins, self.super_scales, self.super_mins, self.values)
         return [t for t in parts if t is not None]
 
 
@@ -79,10 +81,12 @@ def kernel_format(blocks: QuantBlocks) -> str:
     """The file's type and how the kernel reads it: bits, scales, group; e.g. "Q5_0 as int5/fp16/32".
 
     Scales: fp16 or f32 per group, or "k8": a K-quant's own 8-bit sc per group times an fp16 d per 256.
+    Weights "table4": 4-bit indices into the type's 16 values (Q3_K, IQ4_NL, IQ4_XS).
     """
     fp16 = _fp16_exact(blocks) or _min_factor(blocks) != 0
     scales = "k8" if blocks.super is not None else "fp16" if fp16 else "f32"
-    return f"{blocks.qtype} as int{blocks.bits}/{scales}/{blocks.group}"
+    weights = f"int{blocks.bits}" if blocks.values is None else "table4"
+    return f"{blocks.qtype} as {weights}/{scales}/{blocks.group}"
 
 
 def pack(blocks: QuantBlocks) -> PackedMatrix:
@@ -92,21 +96,22 @@ def pack(blocks: QuantBlocks) -> PackedMatrix:
     # Row by row of blocks: the bit-twiddling's int32 temporaries take ~12 bytes a weight (1.2 GB at once for a
     # 49152 x 2048 head), so a whole matrix at a time set the load's peak memory.
     weights = torch.cat([_weights(blocks.q[rows : rows + PACK_ROWS], blocks.bits) for rows in range(0, n, PACK_ROWS)])
-    qtypes = (blocks.qtype,)
+    qtypes, values = (blocks.qtype,), None if blocks.values is None else blocks.values.to(torch.int8).contiguous()
     if blocks.super is not None:
         levels = blocks.super
-        sub = torch.int8 if blocks.bits >= 6 else torch.uint8
+        sub = torch.int8 if blocks.bits >= 6 or values is not None else torch.uint8
         mins = None if levels.mn is None else _by_block(levels.mn.to(torch.uint8))
         dmin = None if levels.dmin is None else _by_block(levels.dmin.half())
         scales, d = _by_block(levels.sc.to(sub)), _by_block(levels.d.half())
-        return PackedMatrix(weights, scales, mins, n, k, blocks.bits, blocks.group, qtypes, d, dmin)
+        return PackedMatrix(weights, scales, mins, n, k, blocks.bits, blocks.group, qtypes, d, dmin, values=values)
     factor = _min_factor(blocks)
     if factor:
         scales = _by_block(blocks.scale.half())
         return PackedMatrix(weights, scales, None, n, k, blocks.bits, blocks.group, qtypes, m_factor=factor)
     dtype = torch.float16 if _fp16_exact(blocks) else torch.float32
     mins = None if blocks.min is None else _by_block(blocks.min.to(dtype))
-    return PackedMatrix(weights, _by_block(blocks.scale.to(dtype)), mins, n, k, blocks.bits, blocks.group, qtypes)
+    scales = _by_block(blocks.scale.to(dtype))
+    return PackedMatrix(weights, scales, mins, n, k, blocks.bits, blocks.group, qtypes, values=values)
 
 
 def pack_by_rows(blocks_of: Callable[[int, int], QuantBlocks], n: int) -> PackedMatrix:
@@ -133,7 +138,8 @@ def _rows_like(tensor: torch.Tensor | None, blocks: int) -> torch.Tensor | None:
 
 def _layout(matrix: PackedMatrix) -> tuple:
     shapes = tuple(None if (t := getattr(matrix, name)) is None else (t.shape[1:], t.dtype) for name in PACKED_FIELDS)
-    return matrix.k, matrix.bits, matrix.group, matrix.m_factor, shapes
+    table = None if matrix.values is None else tuple(matrix.values.tolist())
+    return matrix.k, matrix.bits, matrix.group, matrix.m_factor, shapes, table
 
 
 def _weights(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -235,6 +241,7 @@ def matrix(parts: list[PackedMatrix], keep: list) -> QuantMatrix:
                 scale_bytes=part.scale_bytes,
                 group=part.group,
                 m_factor=part.m_factor,
+                values=None if part.values is None else part.values.data_ptr(),
             )
         )
     for this, following in zip(structs, structs[1:]):

@@ -77,6 +77,8 @@ class QuantBlocks:
 
     The form every GGUF type the native step reads reduces to, exactly (worker/model/gguf_blocks.py);
     bits says how the native kernel stores q: 4 or 5 (unsigned, with min), 6 or 8 (signed, min None: 0).
+    With `values` (a table format: Q3_K, IQ4_NL, IQ4_XS), q holds 4-bit indices and each weight is
+    scale * values[q], min None.
     """
 
     qtype: str  # the file's type ("Q5_0", ...), or "int4" for lmq's own quantization of float weights
@@ -87,20 +89,26 @@ class QuantBlocks:
     bits: int
     # K-quants: their own two levels, which the native kernel reads (scale and min above are their products).
     super: SuperScales | None = None
+    values: torch.Tensor | None = None  # a table format's 16 int8 values, which q indexes
+
+    def weights(self) -> torch.Tensor:
+        """q as integer weights: the table's values where q indexes one."""
+        return self.q if self.values is None else self.values.to(torch.int16)[self.q.long()]
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        groups = self.q.float().view(n, k // self.group, self.group) * self.scale[..., None]
+        groups = self.weights().float().view(n, k // self.group, self.group) * self.scale[..., None]
         return (groups if self.min is None else groups + self.min[..., None]).view(n, k)
 
     def rows(self, index: torch.Tensor) -> QuantBlocks:
         low = None if self.min is None else self.min[index]
         levels = None if self.super is None else self.super.rows(index)
-        return QuantBlocks(self.qtype, self.q[index], self.scale[index], low, self.group, self.bits, levels)
+        q, scale = self.q[index], self.scale[index]
+        return QuantBlocks(self.qtype, q, scale, low, self.group, self.bits, levels, self.values)
 
     def int4(self) -> Int4Blocks | None:
         """The same weights as Int4Blocks (scale, zero = min + 8 scale), where they are 4-bit groups of INT4_GROUP."""
-        if self.bits != 4 or self.group != INT4_GROUP:
+        if self.bits != 4 or self.group != INT4_GROUP or self.values is not None:
             return None
         return Int4Blocks(self.q.to(torch.uint8), self.scale, self.min + 8 * self.scale)
 
@@ -119,11 +127,12 @@ class QuantBlocks:
         levels = None if first.super is None else SuperScales.cat([p.super for p in parts])
         qtype = "+".join(dict.fromkeys(p.qtype for p in parts))
         q, scale = torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts])
-        return QuantBlocks(qtype, q, scale, low, first.group, first.bits, levels)
+        return QuantBlocks(qtype, q, scale, low, first.group, first.bits, levels, first.values)
 
-    def layout(self) -> tuple[int, int, bool, bool]:
+    def layout(self) -> tuple:
         """What decides the native kernel's layout: parts alike in it can be one matrix."""
-        return self.bits, self.group, self.min is None, self.super is None
+        table = None if self.values is None else tuple(self.values.tolist())
+        return self.bits, self.group, self.min is None, self.super is None, table
 
 
 @dataclass

@@ -100,7 +100,7 @@ void amx_int4_block(const QuantMatrix& w, int64_t block, const Bf16Rows& x, int6
 }
 
 // Whether tiles can run w: one part, int4 with fp16 scales and mins, stored or m_factor a (the other formats run on VNNI only).
-bool amx_format(const QuantMatrix& w) { return !w.next && w.bits == 4 && w.scale_bytes == 2 && w.group == kGroup; }
+bool amx_format(const QuantMatrix& w) { return !w.next && !w.values && w.bits == 4 && w.scale_bytes == 2 && w.group == kGroup; }
 
 // out [rows, w.n] (= or +=) x @ w^T, the team splitting the column blocks.
 void amx_int4_linear(const QuantMatrix& w, const Bf16Rows& x, int64_t rows, float* out, bool accumulate) {

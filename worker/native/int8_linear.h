@@ -15,9 +15,10 @@
 // = 8j + {0, 4, 1, 5} and 8j + {2, 6, 3, 7} (a word holds pair 4j + c's value e in nibble c, and pair p's
 // values are k = 2p and 2p + 1), so x is stored in that order: each 8 values as 0, 4, 1, 5, 2, 6, 3, 7. A
 // group's 8 quad vectors: quads 0-3 meet x's first 16 values (scale d0), quads 4-7 the next 16 (d1).
-// Signed weights are stored biased as u8 (Q6_K's q + 32, Q8_0's q + 128), and every offset folds into one
-// term: a (q - c) x summed = a (sum q qx d - c sum qx d), with c = 8 or 16 for Q4_0 / Q5_0 (their derived
-// mins), 32, 128 for the biased ones; stored mins (Q4_1, Q4_K, ...) add m * sum x as quant_linear.h does.
+// Signed weights are stored biased as u8 (Q6_K's q + 32, Q8_0's q + 128, a table format's values less its
+// least), and every offset folds into one term: a (q - c) x summed = a (sum q qx d - c sum qx d), with c = 8
+// or 16 for Q4_0 / Q5_0 (their derived mins), the bias for the biased ones; stored mins (Q4_1, Q4_K, ...)
+// add m * sum x as quant_linear.h does.
 
 namespace {
 
@@ -131,11 +132,30 @@ inline void unpack_quads<8>(const uint8_t* packed, __m512i* quads) {
   }
 }
 
+// A table format's least value: its quads hold each value less it, as u8 (Q3_K's + 4, IQ4's + 127).
+inline int table_floor(const QuantMatrix& w) { return w.values ? *std::min_element(w.values, w.values + 16) : 0; }
+
+// A table format's values less their floor as bytes, in every 128-bit lane, for vpshufb.
+inline __m512i byte_table(const QuantMatrix& w) {
+  if (!w.values) return _mm512_setzero_si512();
+  const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.values));
+  return _mm512_broadcast_i32x4(_mm_sub_epi8(values, _mm_set1_epi8(static_cast<char>(table_floor(w)))));
+}
+
+// unpack_quads<Bits>, a table format's nibbles then replaced by their values less the floor (one vpshufb a quad).
+template <int Bits>
+inline void unpack_quad_values(const uint8_t* packed, __m512i* quads, __m512i table) {
+  unpack_quads<Bits == kTable ? 4 : Bits>(packed, quads);
+  if constexpr (Bits == kTable)
+    for (int i = 0; i < 8; ++i) quads[i] = _mm512_shuffle_epi8(table, quads[i]);
+}
+
 // What the quads hold beyond the weight: c in a (q - c) (0 where the matrix keeps its mins or m = 0).
 template <int Bits, bool Derived>
 inline float quad_offset(const QuantMatrix& w) {
   if constexpr (Bits == 6) return 32.f;
   if constexpr (Bits == 8) return 128.f;
+  if constexpr (Bits == kTable) return -static_cast<float>(table_floor(w));
   return Derived ? -static_cast<float>(w.m_factor) : 0.f;
 }
 
@@ -171,13 +191,14 @@ void quant_block(const QuantMatrix& w, int64_t block, const Int8Rows& x, int64_t
   const uint8_t* packed = w.weights + block * groups * kBytes;
   const BlockScales<Bits, Scale, Group, Derived> weights_of(w, block);
   const float offset = quad_offset<Bits, Derived>(w);
+  const __m512i table = byte_table(w);
   __m512 acc[MR == kWide ? kWideRows : MR];
   each_row<MR>(rows, acc, [](int64_t, __m512& a) { a = _mm512_setzero_ps(); });
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = packed + g * kBytes;
     prefetch_group(group, kBytes);
     __m512i quads[8];
-    unpack_quads<Bits>(group, quads);
+    unpack_quad_values<Bits>(group, quads, table);
     const __m512 a0 = weights_of.scale(kSub * g, g), a1 = kSub == 1 ? a0 : weights_of.scale(2 * g + 1, g);
     const __m512 m = kMins ? weights_of.min(g) : _mm512_setzero_ps();
     each_row<MR>(rows, acc, [&](int64_t r, __m512& sum) {

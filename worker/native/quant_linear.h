@@ -10,6 +10,9 @@
 //   bits 5: q in 0..31 with m     Q5_0 (m = -16 a), Q5_1, Q5_K
 //   bits 6: signed q, m = 0       Q6_K (q - 32 in -32..31, groups of 16, a = d * sc)
 //   bits 8: signed q, m = 0       Q8_0 (q in -128..127)
+//   a table: signed q, m = 0      Q3_K (q - 4 in -4..3, groups of 16, a = d sc), IQ4_NL and IQ4_XS (q one of 16
+//                                 fixed int8 values, a = d or d sc): each q a 4-bit index into QuantMatrix::values,
+//                                 stored as bits 4's nibbles and looked up once unpacked (kTable)
 // Scales and mins are fp16 where every value of the matrix is one exactly (the files' own d and m);
 // the K-quants keep their own two levels, an 8-bit sc (and mn) per group and an fp16 d (and dmin) per
 // 256 values, multiplied out here in float32 (exact: up to 18 significant bits, which fp16 would round);
@@ -50,8 +53,9 @@ struct QuantMatrix {
   int64_t n, k;
   int32_t bits;         // 4, 5 (unsigned, with mins), 6 or 8 (signed, no mins)
   int32_t scale_bytes;  // 1, 2 or 4
-  int32_t group;        // 32, or 16 (bits 6 and 8 only)
+  int32_t group;        // 32, or 16 (bits 6 and 8, and tables, only)
   int32_t m_factor;     // 0, or bits 4 and 5 with fp16 scales and no mins stored: m = m_factor * a (Q4_0 -8, Q5_0 -16)
+  const int8_t* values;  // bits 4 as indices (kTable): the 16 values q they stand for; else null
   const QuantMatrix* next;  // further output rows in another format (a fused q/k/v whose parts differ), or null
 };
 
@@ -67,8 +71,10 @@ constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kLargeChunks = 2, kSmallChunks = 32, kWeightRows = 16;  // each_claimed's: chunks a thread
 constexpr int64_t kChunkMacs = 1 << 18;  // each_claimed's least chunk: ~4 us of a 1-row linear
 
+constexpr int kTable = 7;  // the Bits of a table format: 4-bit indices (bits 4's nibbles) into QuantMatrix::values
+
 template <int Bits>
-constexpr int kGroupBytes = Bits == 4 ? kInt4GroupBytes : Bits == 5 ? kInt4GroupBytes + 64 : Bits == 6 ? kInt4GroupBytes + 128 : kGroup * kBlockN;
+constexpr int kGroupBytes = Bits == 4 || Bits == kTable ? kInt4GroupBytes : Bits == 5 ? kInt4GroupBytes + 64 : Bits == 6 ? kInt4GroupBytes + 128 : kGroup * kBlockN;
 
 // The team's share of [0, total): static, contiguous.
 inline void share(int64_t total, int64_t& begin, int64_t& end) {
@@ -212,6 +218,20 @@ inline void unpack<8>(const uint8_t* packed, __m512i* weights) {
   for (int p = 0; p < kGroup / 2; ++p) weights[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * p)));
 }
 
+// A table format's values as int16 words 0..15 of a vector, for vpermw (the indices never reach words 16..31).
+inline __m512i word_table(const QuantMatrix& w) {
+  if (!w.values) return _mm512_setzero_si512();
+  return _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.values))));
+}
+
+// unpack<Bits>, a table format's nibbles then replaced by their values (one vpermw a vector).
+template <int Bits>
+inline void unpack_values(const uint8_t* packed, __m512i* weights, __m512i table) {
+  unpack<Bits == kTable ? 4 : Bits>(packed, weights);
+  if constexpr (Bits == kTable)
+    for (int p = 0; p < kGroup / 2; ++p) weights[p] = _mm512_permutexvar_epi16(weights[p], table);
+}
+
 inline __m512 load_scales(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
@@ -280,13 +300,14 @@ void quant_block(const QuantMatrix& w, int64_t block, const QuantizedRows& x, in
   const uint8_t* packed = w.weights + block * groups * kBytes;
   const BlockScales<Bits, Scale, Group, Derived> weights_of(w, block);
   const __m512 m_factor = _mm512_set1_ps(static_cast<float>(w.m_factor));
+  const __m512i table = word_table(w);
   __m512 acc[MR == kWide ? kWideRows : MR];
   each_row<MR>(rows, acc, [](int64_t, __m512& a) { a = _mm512_setzero_ps(); });
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = packed + g * kBytes;
     prefetch_group(group, kBytes);
     __m512i weights[kGroup / 2];
-    unpack<Bits>(group, weights);
+    unpack_values<Bits>(group, weights, table);
     if constexpr (kSub == 1) {
       const __m512 a = weights_of.scale(g, g);
       const __m512 m = Derived ? _mm512_mul_ps(a, m_factor) : kMins ? weights_of.min(g) : _mm512_setzero_ps();
@@ -380,6 +401,11 @@ void with_scales(const QuantMatrix& w, F&& f) {
 // f(Format<...>{}) for one part's format (known_format's); false: a format with no kernel (refused before a step).
 template <typename F>
 bool with_format(const QuantMatrix& w, F&& f) {
+  if (w.values) {
+    if (w.bits != 4 || (w.group != 16 && w.group != 32)) return false;
+    w.group == 16 ? with_scales<kTable, 16>(w, f) : with_scales<kTable, 32>(w, f);
+    return true;
+  }
   switch (w.bits * 100 + w.group) {
     case 432: with_scales<4, 32>(w, f); return true;
     case 532: with_scales<5, 32>(w, f); return true;
@@ -393,11 +419,13 @@ bool with_format(const QuantMatrix& w, F&& f) {
 // The formats with a kernel (bits, scale bytes, group); lmq_step refuses a model with any other.
 bool known_format(const QuantMatrix& w) {
   for (const QuantMatrix* part = &w; part; part = part->next) {
-    const bool super = part->super_scales && (part->bits >= 6 || part->super_mins) && part->k % 256 == 0;
+    const bool super = part->super_scales && (part->bits >= 6 || part->values || part->super_mins) && part->k % 256 == 0;
     const bool scales = part->scale_bytes == 2 || part->scale_bytes == 4 || (part->scale_bytes == 1 && super);
     const bool derived = part->m_factor && !part->mins && part->scale_bytes == 2;
-    const bool ok = (part->bits == 4 || part->bits == 5) ? part->group == 32 && (part->mins || derived)
-                                                         : (part->bits == 6 || part->bits == 8) && (part->group == 32 || part->group == 16);
+    const bool table = part->values && part->bits == 4 && !part->mins && !part->m_factor && (part->group == 32 || part->group == 16);
+    const bool ok = part->values ? table
+                    : (part->bits == 4 || part->bits == 5) ? part->group == 32 && (part->mins || derived)
+                                                           : (part->bits == 6 || part->bits == 8) && (part->group == 32 || part->group == 16);
     if (!scales || !ok || part->n % kBlockN || part->k != w.k) return false;
   }
   return true;
@@ -437,9 +465,10 @@ void packed_row(const QuantMatrix& w, int64_t r, float* y) {
   const BlockScales<Bits, Scale, Group, Derived> weights_of(w, block);
   alignas(64) int16_t pairs[kGroup / 2][2 * kBlockN];
   alignas(64) float a[2][kBlockN], m[kBlockN];
+  const __m512i table = word_table(w);
   for (int64_t g = 0; g < groups; ++g, y += kGroup) {
     __m512i weights[kGroup / 2];
-    unpack<Bits>(packed + g * kGroupBytes<Bits>, weights);
+    unpack_values<Bits>(packed + g * kGroupBytes<Bits>, weights, table);
     for (int p = 0; p < kGroup / 2; ++p) _mm512_store_si512(pairs[p], weights[p]);
     constexpr int kSub = kGroup / Group;
     for (int sub = 0; sub < kSub; ++sub) _mm512_store_ps(a[sub], weights_of.scale(kSub * g + sub, g));

@@ -47,9 +47,9 @@ EXPECTED_FORMATS = {
     QType.Q4_K: "int4/k8/32",  # its own 8-bit sc per 32 and fp16 d per 256
     QType.Q5_K: "int5/k8/32",
     QType.Q6_K: "int6/k8/16",
-    QType.Q3_K: "int6/k8/16",  # q -4..3 and sc - 32 held as Q6_K's
-    QType.IQ4_NL: "int8/fp16/32",  # the table's int8 values held as Q8_0's
-    QType.IQ4_XS: "int8/k8/32",
+    QType.Q3_K: "table4/k8/16",  # 4-bit indices into -4..3
+    QType.IQ4_NL: "table4/fp16/32",  # into ggml's 16 int8 values
+    QType.IQ4_XS: "table4/k8/32",
 }
 
 
@@ -87,7 +87,7 @@ def activation_bound(weights: torch.Tensor, magnitudes: torch.Tensor, x: torch.T
 def magnitudes(blocks: QuantBlocks) -> torch.Tensor:
     """|a q| + |m| per weight: what float32 rounding of the two terms is relative to."""
     n, k = blocks.q.shape
-    scaled = (blocks.q.float().view(n, -1, blocks.group) * blocks.scale[..., None]).abs()
+    scaled = (blocks.weights().float().view(n, -1, blocks.group) * blocks.scale[..., None]).abs()
     if blocks.min is not None:
         scaled = scaled + blocks.min.abs()[..., None]
     return scaled.view(n, k)
@@ -166,6 +166,27 @@ def test_q4_0_and_q5_0_keep_no_mins_and_give_the_same_outputs_as_stored_ones(qty
     stored = dataclasses.replace(packed, mins=_by_block(blocks.min.half()), m_factor=0)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-1, 1, k)
     assert torch.equal(native_linear_packed([packed], x), native_linear_packed([stored], x))
+
+
+@pytest.mark.parametrize(
+    ("qtype", "bits_per_weight", "wide_bits"),
+    [(QType.Q3_K, 4.5625, 6), (QType.IQ4_NL, 4.5, 8), (QType.IQ4_XS, 4.3125, 8)],
+    ids=["Q3_K", "IQ4_NL", "IQ4_XS"],
+)
+def test_a_table_format_keeps_4_bit_indices_and_gives_the_outputs_of_its_values_held_wide(
+    qtype: QType, bits_per_weight: float, wide_bits: int
+) -> None:
+    """Q3_K's q and IQ4's values fit Q6_K's and Q8_0's formats exactly, at 6.56 and 8.5 bits a weight; held as
+    4-bit indices into their 16 values (a one-row step reads every byte) the outputs are bit for bit the same."""
+    n, k = 48, 512
+    blocks = gguf_blocks(raw_tensor(qtype, n, k, seed=4), qtype, n, k)
+    (packed,) = pack_parts([blocks])
+    assert kernel_format(blocks).split(" as ")[1].startswith("table4/")
+    assert (packed.nbytes() - packed.values.numel()) * 8 / (n * k) == bits_per_weight
+    wide = dataclasses.replace(blocks, q=blocks.weights(), bits=wide_bits, values=None)
+    assert not kernel_format(wide).split(" as ")[1].startswith("table4/")
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-1, 1, k)
+    assert torch.equal(native_linear([blocks], x), native_linear([wide], x))
 
 
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)

@@ -45,7 +45,8 @@ HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             "ffn_down": "mlp.down_proj"}  # fmt: skip
 KERNEL = {QType.Q4_0: "int4/fp16/32", QType.Q4_1: "int4/fp16/32", QType.Q5_0: "int5/fp16/32",
           QType.Q5_1: "int5/fp16/32", QType.Q8_0: "int8/fp16/32", QType.Q4_K: "int4/k8/32",
-          QType.Q5_K: "int5/k8/32", QType.Q6_K: "int6/k8/16"}  # fmt: skip
+          QType.Q5_K: "int5/k8/32", QType.Q6_K: "int6/k8/16", QType.Q3_K: "table4/k8/16",
+          QType.IQ4_NL: "table4/fp16/32", QType.IQ4_XS: "table4/k8/32"}  # fmt: skip
 
 
 def _shape(part: str) -> tuple[int, int]:
