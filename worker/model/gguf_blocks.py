@@ -105,11 +105,11 @@ def _q3_k(b: np.ndarray):
     low = (packed[:, 0:8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)) & 0x0F
     high = (packed[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 3
     sc = (low.reshape(n, 16) | (high.reshape(n, 16) << 4)).astype(np.int8) - 32
-    # Value v: bit pair (v % 128) // 32 of qs byte 32 (v // 128) + v % 32, less 4 where bit v // 32 of hmask byte v % 32 is clear.
+    # Value v is its bit pair, (v % 128) // 32 of qs byte 32 (v // 128) + v % 32, less 4 where its third bit, v // 32
+    # of hmask byte v % 32, is clear: q + 4 (the index) is the bit pair plus 4 times the third bit.
     pairs = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-    clear = ((hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) ^ 1
-    index = pairs.reshape(n, 256) + 4 * (1 - clear.reshape(n, 256))  # q + 4: bit pair, and 4 where the bit is set
-    return index, d * sc.astype(np.float32), None, (sc, None, d, None)
+    third = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return pairs.reshape(n, 256) + 4 * third.reshape(n, 256), d * sc.astype(np.float32), None, (sc, None, d, None)
 
 
 def _iq4_indices(qs: np.ndarray) -> np.ndarray:

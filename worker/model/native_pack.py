@@ -96,7 +96,7 @@ def pack(blocks: QuantBlocks) -> PackedMatrix:
     # Row by row of blocks: the bit-twiddling's int32 temporaries take ~12 bytes a weight (1.2 GB at once for a
     # 49152 x 2048 head), so a whole matrix at a time set the load's peak memory.
     weights = torch.cat([_weights(blocks.q[rows : rows + PACK_ROWS], blocks.bits) for rows in range(0, n, PACK_ROWS)])
-    qtypes, values = (blocks.qtype,), None if blocks.values is None else blocks.values.to(torch.int8).contiguous()
+    qtypes, values = (blocks.qtype,), blocks.values
     if blocks.super is not None:
         levels = blocks.super
         sub = torch.int8 if blocks.bits >= 6 or values is not None else torch.uint8
