@@ -13,7 +13,10 @@ from worker.runtime.native_step import ModelStruct, StepStruct
 
 
 def baseline_library(revision: str, directory: pathlib.Path) -> ctypes.CDLL:
-    """The library of `revision`'s worker/native sources (git show), compiled into `directory` with build.FLAGS."""
+    """The library of `revision`'s worker/native sources (git show), compiled into `directory` with build.FLAGS.
+
+    It is handed this tree's structs, so `revision` must lay them out alike: QuantMatrix (inside every LayerWeights)
+    gained `values` at 95ba94f, and a revision from before it reads every layer's matrices askew."""
     root = pathlib.Path(build.__file__).resolve().parents[2]
     for source in (build.SOURCE, *build.HEADERS):
         relative = source.resolve().relative_to(root).as_posix()
