@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
 from tests.support.gguf_blocks import raw_tensor
-from worker.model.gguf_blocks import FORMATS, gguf_blocks
+from worker.model.gguf_blocks import FORMATS, gguf_blocks, gguf_int4_blocks
 from worker.model.native_pack import (
     PACKED_FIELDS,
     PackedMatrix,
@@ -187,6 +187,15 @@ def test_a_table_format_keeps_4_bit_indices_and_gives_the_outputs_of_its_values_
     assert not kernel_format(wide).split(" as ")[1].startswith("table4/")
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-1, 1, k)
     assert torch.equal(native_linear([blocks], x), native_linear([wide], x))
+
+
+@pytest.mark.parametrize("qtype", [QType.IQ4_NL, QType.IQ4_XS], ids=lambda t: t.name)
+def test_a_table_format_s_4_bit_indices_are_never_taken_for_int4_weights(qtype: QType) -> None:
+    """IQ4's indices are 4 bits in groups of 32, as Q4_0's q are: the torch path's int4 kernel must dequantize them
+    through the table rather than read the indices as weights."""
+    raw = raw_tensor(qtype, 32, 256, seed=5)
+    assert gguf_int4_blocks(raw, qtype, 32, 256) is None
+    assert gguf_int4_blocks(raw_tensor(QType.Q4_0, 32, 256), QType.Q4_0, 32, 256) is not None
 
 
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda t: t.name)
