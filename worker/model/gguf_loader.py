@@ -74,15 +74,15 @@ def _source(
         return raw if row_order is None and not shift and len(shape) == 2 else None
 
     def load_rows(start: int, stop: int) -> torch.Tensor:
-        if row_order is not None or len(shape) != 2 or raw.ndim != 2:
-            return load()[start:stop]
         part = raw[start:stop]
         values = dequantized(part, qtype, (len(part), shape[1]))
         return values - shift if shift else values
 
+    by_rows = row_order is None and len(shape) == 2 and raw.ndim == 2  # else TensorSource.rows slices load()
     return TensorSource(
-        shape=shape, load=load, int4=int4, blocks=blocks, qtype=qtype.name, file_rows=file_rows, load_rows=load_rows
-    )
+        shape=shape, load=load, int4=int4, blocks=blocks, qtype=qtype.name, file_rows=file_rows,
+        load_rows=load_rows if by_rows else None,
+    )  # fmt: skip
 
 
 def _check_types(reader: GGUFReader, path: pathlib.Path) -> None:

@@ -135,11 +135,11 @@ inline void unpack_quads<8>(const uint8_t* packed, __m512i* quads) {
 // A table format's least value: its quads hold each value less it, as u8 (Q3_K's + 4, IQ4's + 127).
 inline int table_floor(const QuantMatrix& w) { return w.values ? *std::min_element(w.values, w.values + 16) : 0; }
 
-// A table format's values less their floor as bytes, in every 128-bit lane, for vpshufb.
-inline __m512i byte_table(const QuantMatrix& w) {
+// A table format's values plus `offset` (quad_offset's: less their floor) as bytes, in every 128-bit lane, for vpshufb.
+inline __m512i byte_table(const QuantMatrix& w, float offset) {
   if (!w.values) return _mm512_setzero_si512();
   const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.values));
-  return _mm512_broadcast_i32x4(_mm_sub_epi8(values, _mm_set1_epi8(static_cast<char>(table_floor(w)))));
+  return _mm512_broadcast_i32x4(_mm_add_epi8(values, _mm_set1_epi8(static_cast<char>(offset))));
 }
 
 // unpack_quads<Bits>, a table format's nibbles then replaced by their values less the floor (one vpshufb a quad).
@@ -191,7 +191,7 @@ void quant_block(const QuantMatrix& w, int64_t block, const Int8Rows& x, int64_t
   const uint8_t* packed = w.weights + block * groups * kBytes;
   const BlockScales<Bits, Scale, Group, Derived> weights_of(w, block);
   const float offset = quad_offset<Bits, Derived>(w);
-  const __m512i table = byte_table(w);
+  const __m512i table = byte_table(w, offset);
   __m512 acc[MR == kWide ? kWideRows : MR];
   each_row<MR>(rows, acc, [](int64_t, __m512& a) { a = _mm512_setzero_ps(); });
   for (int64_t g = 0; g < groups; ++g) {
